@@ -1,0 +1,136 @@
+"""kvcr command line: serve, info, events tail, selfcheck, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+from . import __version__
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+    from .drivers.shm import RegionError
+    from .service import Service
+
+    try:
+        cfg = load_config(args.config, _parse_set(args.set))
+        service = Service(cfg).start()
+    except (ConfigError, RegionError) as exc:
+        print(f"kvcr serve: {exc}", file=sys.stderr)
+        return 2
+    if args.info_file:
+        tmp = Path(args.info_file + ".tmp")
+        tmp.write_text(json.dumps(service.info()))
+        os.replace(tmp, args.info_file)
+    print(json.dumps(service.info()), file=sys.stderr)
+    service.serve_forever()
+    return 0
+
+
+def fetch_info(endpoint: str, timeout_s: float = 5.0) -> dict:
+    """A runner's info, from its control socket (tcp://, ipc://) or its HTTP endpoint."""
+    if endpoint.startswith(("http://", "https://")):
+        with urllib.request.urlopen(endpoint.rstrip("/") + "/info", timeout=timeout_s) as resp:
+            return json.load(resp)
+    from .client import ControlClient
+
+    with ControlClient(endpoint, timeout_s=timeout_s) as client:
+        return client.info()
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    try:
+        print(json.dumps(fetch_info(args.endpoint, args.timeout), indent=2))
+    except (TimeoutError, OSError) as exc:
+        print(f"kvcr info: {args.endpoint}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from .tail import tail
+
+    return tail(args.endpoint, args.replay, count=args.count, timeout_s=args.timeout,
+                from_snapshot=args.snapshot)
+
+
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from .selfcheck import run_selfcheck
+
+    return run_selfcheck(args.control, pages=args.pages)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .selfcheck import run_demo
+
+    return run_demo(config=args.config, pages=args.pages)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcr", description="Router-aware distributed KV-cache reuse")
+    parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run a runner (DRAM pool, events, control socket, /metrics)")
+    p.add_argument("--config", help="TOML or JSON config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set dram.size=1Gi (repeatable)")
+    p.add_argument("--info-file", help="write the runner's info JSON here once it is up")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("info", help="print a runner's info (endpoints, namespace, pools)")
+    p.add_argument("endpoint", help="control endpoint tcp://HOST:PORT or http://HOST:PORT")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("events", help="event stream tools")
+    ev = p.add_subparsers(dest="events_command", required=True)
+    t = ev.add_parser("tail", help="print events as JSON lines, repairing gaps by replay")
+    t.add_argument("--endpoint", required=True, help="event PUB endpoint tcp://HOST:PORT")
+    t.add_argument("--replay", help="replay ROUTER endpoint tcp://HOST:PORT")
+    t.add_argument("--snapshot", metavar="CONTROL", help="start from a snapshot taken from this control endpoint")
+    t.add_argument("--count", type=int, default=0, help="exit after this many BlockStored blocks (0: never)")
+    t.add_argument("--timeout", type=float, default=0.0, help="exit after this many seconds (0: never)")
+    t.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("selfcheck", help="store and read back pages through a running runner")
+    p.add_argument("--control", required=True)
+    p.add_argument("--pages", type=int, default=64)
+    p.set_defaults(func=cmd_selfcheck)
+
+    p = sub.add_parser("demo", help="start a runner, tail its events and run the self-check")
+    p.add_argument("--config", default=None)
+    p.add_argument("--pages", type=int, default=64)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

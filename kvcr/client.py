@@ -1,0 +1,123 @@
+"""Client side of the control socket, and a writer that attaches to a runner's DRAM region."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from dataclasses import replace
+from typing import Sequence
+
+import zmq
+
+from .drivers.shm import Region
+from .proto import messages as m
+from .proto.announce import Announce
+from .proto.events import Event, decode_event
+
+
+class ControlError(RuntimeError):
+    """The runner refused a request; `code` is its machine-readable reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class ControlClient:
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = int(timeout_s * 1000)
+        self.incarnation = uuid.uuid4().hex[:16]
+        self._ctx = ctx or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "ControlClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _recv(self, request_id: int) -> m.Message:
+        while True:
+            if not self._sock.poll(self.timeout_ms):
+                # A late reply would be read as the answer to the next request: start afresh.
+                self._sock.close()
+                self._sock = self._connect()
+                raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_ms} ms")
+            reply = m.decode(self._sock.recv_multipart()[-1])
+            if reply.request_id == request_id:
+                if isinstance(reply, m.Error):
+                    raise ControlError(reply.code, reply.message)
+                return reply
+
+    def request(self, msg: m.Message) -> m.Message:
+        request_id = next(self._ids)
+        msg = replace(msg, request_id=request_id, incarnation=self.incarnation)
+        self._sock.send_multipart([b"", m.encode(msg)])
+        return self._recv(request_id)
+
+    def info(self) -> dict:
+        return self.request(m.InfoRequest()).info
+
+    def snapshot(self) -> tuple[int, list[Event]]:
+        """(seq, events): the inventory as of batch `seq`; continue the live stream after it."""
+        request_id = next(self._ids)
+        self._sock.send_multipart([b"", m.encode(m.SnapshotRequest(request_id=request_id,
+                                                                  incarnation=self.incarnation))])
+        events: list[Event] = []
+        while True:
+            part = self._recv(request_id)
+            events.extend(decode_event(e) for e in part.events)
+            if part.done:
+                return part.seq, events
+
+
+class AttachedWriter:
+    """Writes and reads pages in a runner's shared-memory pool (same host), with fills and claims."""
+
+    def __init__(self, client: ControlClient) -> None:
+        self.client = client
+        info = client.info()
+        self.info = info
+        self.pools = {p["name"]: p for p in info["pools"]}
+        self.region = Region.attach(info["shm_path"])
+        self.view = self.region.view
+
+    def close(self) -> None:
+        self.view.release()
+        self.region.close()
+
+    def put(self, pool: str, page_hexes: Sequence[str], pages: Sequence[bytes],
+            announces: Sequence[Announce | None] | None = None) -> int:
+        reply = self.client.request(m.Reserve(pool=pool, keys=list(page_hexes), writer_pid=os.getpid(),
+                                              announces=[a.to_wire() if a else None for a in announces or []]))
+        size = self.pools[pool]["page_bytes"]
+        ok = []
+        for offset, data in zip(reply.offsets, pages):
+            if offset >= 0:
+                self.view[offset:offset + size] = data
+            ok.append(True)
+        return self.client.request(m.Commit(fill_id=reply.fill_id, ok=ok)).num_committed
+
+    def get(self, pool: str, page_hexes: Sequence[str]) -> list[bytes]:
+        grant = self.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes)))
+        if not grant.offsets:
+            return []
+        size = self.pools[pool]["page_bytes"]
+        try:
+            out = [bytes(self.view[o:o + size]) for o in grant.offsets]
+        finally:
+            released = self.client.request(m.ReleaseRequest(claim_id=grant.claim_id))
+        # Only pages whose slot stayed live for the whole claim are returned.
+        return out[:next((i for i, live in enumerate(released.live) if not live), len(out))]

@@ -1,0 +1,238 @@
+"""One typed runner config, decoded once from TOML or JSON with strict validation.
+
+Every error names the key and the value it got. Sizes accept "64Ki", "8Gi", "1.5G" or integers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+from .proto.keys import EVENT_FORMATS, KeyError_, Namespace
+
+
+class ConfigError(ValueError):
+    pass
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$", re.IGNORECASE)
+_UNITS = {None: 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+class Size(int):
+    """Bytes; written in config as an integer or a string such as "256Mi"."""
+
+
+def parse_size(key: str, raw: Any) -> Size:
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+        return Size(raw)
+    match = _SIZE.match(raw) if isinstance(raw, str) else None
+    if not match:
+        raise ConfigError(f"{key} = {raw!r} is not a size (examples: 65536, \"64Ki\", \"8Gi\")")
+    number, unit = match.groups()
+    return Size(int(float(number) * _UNITS[unit.lower() if unit else None]))
+
+
+def _parse_bool(key: str, raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise ConfigError(f"{key} = {raw!r} must be true or false")
+    return raw
+
+
+def _parse_int(key: str, raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"{key} = {raw!r} must be an integer")
+    return raw
+
+
+def _parse_float(key: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ConfigError(f"{key} = {raw!r} must be a number")
+    return float(raw)
+
+
+def _parse_str(key: str, raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(f"{key} = {raw!r} must be a string")
+    return raw
+
+
+_SCALARS = {bool: _parse_bool, int: _parse_int, float: _parse_float, str: _parse_str, Size: parse_size}
+
+
+def _decode(cls: type, key: str, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key or 'config'} must be a table, got {raw!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for unknown in sorted(set(raw) - names):
+        raise ConfigError(f"unknown key {_join(key, unknown)} = {raw[unknown]!r}")
+    values = {}
+    for name in names & set(raw):
+        values[name] = _decode_value(hints[name], _join(key, name), raw[name])
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{key or 'config'}: {exc}") from None
+
+
+def _decode_value(tp: Any, key: str, raw: Any) -> Any:
+    if get_origin(tp) is tuple:
+        item = get_args(tp)[0]
+        if not isinstance(raw, list):
+            raise ConfigError(f"{key} = {raw!r} must be a list")
+        return tuple(_decode_value(item, f"{key}[{i}]", v) for i, v in enumerate(raw))
+    if is_dataclass(tp):
+        return _decode(tp, key, raw)
+    return _SCALARS[tp](key, raw)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolConfig:
+    name: str = "kv"
+    page_bytes: Size = Size(64 * 1024)
+    size: Size = Size(0)  # 0: the rest of dram.size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DramConfig:
+    size: Size = Size(256 * 2**20)
+    lock_memory: bool = False
+    alignment: Size = Size(4096)
+    high_watermark: float = 1.0
+    low_watermark: float = 0.95
+    max_claim_fraction: float = 0.5
+    pools: tuple[PoolConfig, ...] = (PoolConfig(),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamespaceConfig:
+    model: str = "default"
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    is_mla: bool = False
+    layout: str = "page_first"
+    dtype: str = "float16"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventsConfig:
+    endpoint: str = "tcp://127.0.0.1:0"
+    replay_endpoint: str = "tcp://127.0.0.1:0"
+    topic: str = ""
+    buffer_steps: int = 10_000
+    queue_size: int = 100_000
+    event_format: str = "default"
+    engine_endpoint: str = ""
+    engine_replay_endpoint: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerConfig:
+    name: str = "kvcr"
+    dp_rank: int = 0
+    block_size: int = 16
+    state_dir: str = ""
+    lease_seconds: float = 10.0
+    control_endpoint: str = "tcp://127.0.0.1:0"
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def namespace_for(self, pool: PoolConfig) -> Namespace:
+        ns = self.namespace
+        try:
+            return Namespace(model=ns.model, tp_size=ns.tp_size, tp_rank=ns.tp_rank, pp_size=ns.pp_size,
+                             pp_rank=ns.pp_rank, is_mla=ns.is_mla, layout=ns.layout, dtype=ns.dtype,
+                             page_size=self.runner.block_size, components=((pool.name, pool.page_bytes),))
+        except KeyError_ as exc:
+            raise ConfigError(str(exc)) from None
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Bytes per pool; a pool with size 0 takes what the others leave of dram.size."""
+        fixed = sum(p.size for p in self.dram.pools)
+        rest = [p for p in self.dram.pools if p.size == 0]
+        share = (self.dram.size - fixed) // max(1, len(rest))
+        return {p.name: p.size or share for p in self.dram.pools}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate(cfg: Config) -> None:
+    d, r, e = cfg.dram, cfg.runner, cfg.events
+    _require(r.block_size >= 1, f"runner.block_size = {r.block_size} must be >= 1")
+    _require(r.dp_rank >= 0, f"runner.dp_rank = {r.dp_rank} must be >= 0")
+    _require(r.lease_seconds > 0, f"runner.lease_seconds = {r.lease_seconds} must be > 0")
+    _require(0 <= r.http_port < 65536, f"runner.http_port = {r.http_port} is not a port")
+    _require(d.alignment > 0 and d.alignment & (d.alignment - 1) == 0,
+             f"dram.alignment = {d.alignment} must be a power of two")
+    _require(0 < d.low_watermark <= d.high_watermark <= 1,
+             f"dram.low_watermark = {d.low_watermark} / dram.high_watermark = {d.high_watermark}: "
+             "need 0 < low <= high <= 1")
+    _require(0 < d.max_claim_fraction <= 1, f"dram.max_claim_fraction = {d.max_claim_fraction} must be in (0, 1]")
+    _require(len(d.pools) >= 1, "dram.pools must name at least one pool")
+    names = [p.name for p in d.pools]
+    _require(len(set(names)) == len(names), f"dram.pools has a duplicate name in {names}")
+    for i, p in enumerate(d.pools):
+        _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", p.name)),
+                 f"dram.pools[{i}].name = {p.name!r} may use only letters, digits, '_', '.', '-'")
+        _require(p.page_bytes > 0, f"dram.pools[{i}].page_bytes = {p.page_bytes} must be > 0")
+    fixed = sum(p.size for p in d.pools)
+    _require(fixed <= d.size, f"dram.pools sizes add up to {fixed} bytes, more than dram.size = {d.size}")
+    sizes = cfg.pool_sizes()
+    for i, p in enumerate(d.pools):
+        _require(sizes[p.name] >= p.page_bytes, f"dram.pools[{i}] ({p.name!r}) gets {sizes[p.name]} bytes, "
+                 f"less than one page of {p.page_bytes} bytes; raise dram.size or dram.pools[{i}].size")
+    _require(e.event_format in EVENT_FORMATS, f"events.event_format = {e.event_format!r} must be one of "
+             f"{EVENT_FORMATS}")
+    _require(e.buffer_steps >= 1, f"events.buffer_steps = {e.buffer_steps} must be >= 1")
+    _require(e.queue_size >= 1, f"events.queue_size = {e.queue_size} must be >= 1")
+    for key, value in (("events.endpoint", e.endpoint), ("events.replay_endpoint", e.replay_endpoint),
+                       ("runner.control_endpoint", r.control_endpoint)):
+        _require(value.startswith(("tcp://", "ipc://", "inproc://")), f"{key} = {value!r} must be a ZMQ "
+                 "endpoint (tcp://HOST:PORT, ipc://PATH)")
+    for p in d.pools:
+        cfg.namespace_for(p)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read TOML (.toml) or JSON; `overrides` maps dotted keys to values applied on top."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            raw = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid {'JSON' if str(path).endswith('.json') else 'TOML'}: {exc}") \
+                from None
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return _decode(Config, "", raw)

@@ -1,0 +1,52 @@
+"""A small HTTP endpoint: /metrics for Prometheus, /info for discovery, /healthz."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CollectorRegistry
+
+
+class HttpServer:
+    def __init__(self, host: str, port: int, *, registry: CollectorRegistry, info: Callable[[], dict]) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    outer._send(self, 200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path == "/info":
+                    outer._send(self, 200, json.dumps(info()).encode(), "application/json")
+                elif path == "/healthz":
+                    outer._send(self, 200, b"ok\n", "text/plain")
+                else:
+                    outer._send(self, 404, b"not found\n", "text/plain")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-http", daemon=True)
+
+    @staticmethod
+    def _send(handler: BaseHTTPRequestHandler, code: int, body: bytes, ctype: str) -> None:
+        handler.send_response(code)
+        handler.send_header("Content-Type", ctype)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

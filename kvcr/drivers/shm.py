@@ -1,0 +1,130 @@
+"""The runner's DRAM region: one page-aligned shared-memory file, mapped once.
+
+Space is reserved with posix_fallocate at start, so a full /dev/shm is a startup error that
+names the config key rather than a SIGBUS on first touch later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import resource
+from dataclasses import dataclass
+
+SHM_DIR = "/dev/shm"
+
+
+class RegionError(RuntimeError):
+    pass
+
+
+def shm_free_bytes(directory: str = SHM_DIR) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def memlock_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return soft  # RLIM_INFINITY is -1 on Linux
+
+
+def check_capacity(size: int, *, lock_memory: bool, directory: str = SHM_DIR, key: str = "dram.size") -> None:
+    free = shm_free_bytes(directory)
+    if size > free:
+        raise RegionError(f"{key} = {size} bytes does not fit in {directory} ({free} bytes free); "
+                          f"lower {key} or enlarge {directory} (docker: shm_size)")
+    limit = memlock_limit()
+    if lock_memory and limit != resource.RLIM_INFINITY and size > limit:
+        raise RegionError(f"{key} = {size} bytes exceeds the memlock limit ({limit} bytes) while "
+                          f"dram.lock_memory is true; raise `ulimit -l` (docker: ulimits.memlock) or "
+                          f"set dram.lock_memory = false")
+
+
+def region_name(runner: str, pid: int, incarnation: str) -> str:
+    return f"kvcr-{runner}-{pid}-{incarnation}"
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove regions whose owning process is gone (a runner killed before it could unlink)."""
+    removed = []
+    for name in os.listdir(directory):
+        parts = name.rsplit("-", 2)
+        if not name.startswith("kvcr-") or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except PermissionError:
+            pass  # alive, owned by another user
+    return removed
+
+
+@dataclass
+class Region:
+    path: str
+    size: int
+    mm: mmap.mmap
+    owner: bool
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.mm)
+
+    @property
+    def address(self) -> int:
+        anchor = ctypes.c_char.from_buffer(self.mm)
+        try:
+            return ctypes.addressof(anchor)
+        finally:
+            del anchor  # keeps no buffer export alive, so close() can unmap
+
+    @classmethod
+    def create(cls, name: str, size: int, *, lock_memory: bool = False, directory: str = SHM_DIR) -> "Region":
+        sweep_stale(directory)
+        check_capacity(size, lock_memory=lock_memory, directory=directory)
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise RegionError(f"dram.size = {size} bytes could not be reserved in {directory}: {exc}") from None
+        os.close(fd)
+        region = cls(path, size, mm, owner=True)
+        if lock_memory:
+            region._lock()
+        return region
+
+    @classmethod
+    def attach(cls, path: str) -> "Region":
+        """Map an existing runner's region (another process: a TP rank, a self-check)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, size, mm, owner=False)
+
+    def _lock(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        if libc.mlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.size)) != 0:
+            err = ctypes.get_errno()
+            raise RegionError(f"mlock of dram.size = {self.size} bytes failed: {os.strerror(err)}")
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # an exported view is still alive; the mapping goes with the process
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,148 @@
+"""Control socket: a ROUTER that decodes requests, asks the runner, and replies.
+
+It makes no decisions of its own; every refusal comes from the runner or the protocol code
+and goes back as an Error naming the problem. The same thread expires leases on time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import Callable, Iterator
+
+import zmq
+
+from ..proto import messages as m
+from ..proto.announce import Announce
+from ..proto.claims import ClaimError
+from ..proto.pool import PoolError
+
+log = logging.getLogger(__name__)
+SNAPSHOT_CHUNK = 4096
+
+
+class ControlServer:
+    def __init__(self, ctx: zmq.Context, runner, *, endpoint: str, info: Callable[[], dict],
+                 snapshot: Callable[[], tuple[int, list]]) -> None:
+        self._ctx = ctx
+        self.runner = runner
+        self._endpoint = endpoint
+        self._info = info
+        self._snapshot = snapshot
+        self.bound_endpoint = ""
+        self.num_requests = 0
+        self.num_rejected = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvcr-control", daemon=True)
+        self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
+                          m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
+                          m.ReleaseRequest: self._on_release}
+
+    def start(self, timeout: float = 10.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error is not None:
+            raise RuntimeError(f"control socket failed to start: {self._error}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            sock.bind(self._endpoint)
+            self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):
+                    self._serve_one(sock)
+                self.runner.expire()
+        finally:
+            sock.close()
+
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart()
+        ident, payload = frames[0], frames[-1]
+        self.num_requests += 1
+        request_id = 0
+        try:
+            if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1] != b""):
+                raise m.ProtocolError(f"expected [empty, payload] frames, got {len(frames) - 1}")
+            msg = m.decode(payload)
+            request_id = msg.request_id
+            if isinstance(msg, m.SnapshotRequest):
+                for part in self._snapshot_parts(msg):
+                    sock.send_multipart([ident, b"", m.encode(part)])
+                return
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
+            reply = handler(msg, msg.incarnation or ident.hex())
+        except m.ProtocolError as exc:
+            reply = m.Error(code=exc.code, message=str(exc))
+        except ClaimError as exc:
+            reply = m.Error(code="claim", message=str(exc))
+        except (PoolError, ValueError) as exc:
+            reply = m.Error(code=type(exc).__name__, message=str(exc))
+        if isinstance(reply, m.Error):
+            self.num_rejected += 1
+        reply = replace(reply, request_id=request_id, incarnation=self.runner.incarnation)
+        sock.send_multipart([ident, b"", m.encode(reply)])
+
+    def _snapshot_parts(self, msg: m.SnapshotRequest) -> Iterator[m.SnapshotPart]:
+        seq, events = self._snapshot()
+        wire = [e.to_wire() for e in events]
+        chunks = [wire[i:i + SNAPSHOT_CHUNK] for i in range(0, len(wire), SNAPSHOT_CHUNK)] or [[]]
+        for i, chunk in enumerate(chunks):
+            yield m.SnapshotPart(request_id=msg.request_id, incarnation=self.runner.incarnation, seq=seq,
+                                 events=chunk, done=i == len(chunks) - 1)
+
+    # --- handlers: decoded message in, reply out ---------------------------------------------------
+
+    def _on_info(self, msg: m.InfoRequest, owner: str) -> m.Message:
+        return m.Info(info=self._info())
+
+    def _on_lookup(self, msg: m.Lookup, owner: str) -> m.Message:
+        return m.LookupReply(num_ready=self.runner.lookup(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+
+    def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
+        announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
+        if announces is not None and len(announces) != len(msg.keys):
+            raise m.ProtocolError(f"reserve has {len(msg.keys)} keys but {len(announces)} announces")
+        fill = self.runner.reserve(msg.pool, [self._key(msg.pool, k) for k in msg.keys], announces, owner=owner,
+                                   lease_s=msg.lease_s or None, writer_pid=msg.writer_pid)
+        offsets = [-1 if p is None else self.runner.offset(msg.pool, p.slot) for p in fill.pages]
+        return m.Reserved(fill_id=fill.fill_id, offsets=offsets)
+
+    def _on_commit(self, msg: m.Commit, owner: str) -> m.Message:
+        return m.Committed(num_committed=self.runner.commit(msg.fill_id, msg.ok or None, owner=owner))
+
+    def _on_claim(self, msg: m.ClaimRequest, owner: str) -> m.Message:
+        claim = self.runner.claim(msg.pool, [self._key(msg.pool, k) for k in msg.keys], owner=owner,
+                                  lease_s=msg.lease_s or None)
+        return m.Granted(claim_id=claim.claim_id if claim.pages else 0,
+                         offsets=[self.runner.offset(msg.pool, p.slot) for p in claim.pages],
+                         generations=[p.generation for p in claim.pages], deadline_s=claim.lease_s)
+
+    def _on_renew(self, msg: m.Renew, owner: str) -> m.Message:
+        self.runner.renew(msg.claim_id, owner=owner)
+        return m.Renewed(lease_s=self.runner.cfg.runner.lease_seconds)
+
+    def _on_release(self, msg: m.ReleaseRequest, owner: str) -> m.Message:
+        return m.Released(live=list(self.runner.release(msg.claim_id, owner=owner).live))
+
+    def _key(self, pool: str, page_hex: object) -> str:
+        if not isinstance(page_hex, str):
+            raise m.ProtocolError(f"page keys must be hex strings, got {type(page_hex).__name__}")
+        self.runner.pool(pool)
+        return self.runner.key(pool, page_hex)

@@ -1,0 +1,57 @@
+"""Prometheus metrics, read from the runner's statistics at scrape time (nothing counts twice)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+class RunnerCollector:
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.service
+        runner, pub, ctl = svc.runner, svc.publisher, svc.control
+        pages = GaugeMetricFamily("kvcr_pages", "Pages by pool, tier and residency state",
+                                  labels=["pool", "tier", "state"])
+        nbytes = GaugeMetricFamily("kvcr_bytes", "Bytes of ready pages by pool and tier", labels=["pool", "tier"])
+        capacity = GaugeMetricFamily("kvcr_capacity_pages", "Slots per pool", labels=["pool", "tier"])
+        evictions = CounterMetricFamily("kvcr_evictions", "Pages evicted for room", labels=["pool", "tier"])
+        with runner.lock:
+            stats = [p.statistics() for p in runner.pools.values()]
+            evicted = {p.name: p.num_evicted for p in runner.pools.values()}
+            claim_stats = runner.claims.statistics()
+            hits, misses = runner.hits, runner.misses
+        for s in stats:
+            for state, n in (("free", s.num_free), ("filling", s.num_filling), ("ready", s.num_ready),
+                             ("discarding", s.num_discarding), ("claimed", s.num_claimed)):
+                pages.add_metric([s.name, "dram", state], n)
+            nbytes.add_metric([s.name, "dram"], s.num_ready * s.page_bytes)
+            capacity.add_metric([s.name, "dram"], s.capacity)
+            evictions.add_metric([s.name, "dram"], evicted[s.name])
+        yield from (pages, nbytes, capacity, evictions)
+        yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=hits)
+        yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=misses)
+        yield GaugeMetricFamily("kvcr_claims_held", "Claims currently pinning pages", value=claim_stats.num_claims)
+        yield GaugeMetricFamily("kvcr_fills_held", "Fill reservations in progress", value=claim_stats.num_fills)
+        yield CounterMetricFamily("kvcr_claims_expired", "Claims ended by lease expiry",
+                                  value=claim_stats.num_expired_claims)
+        yield CounterMetricFamily("kvcr_fills_expired", "Fill reservations ended by lease expiry",
+                                  value=claim_stats.num_expired_fills)
+        yield CounterMetricFamily("kvcr_event_batches", "Event batches published", value=pub.num_batches)
+        yield CounterMetricFamily("kvcr_events", "Events published", value=pub.num_events)
+        yield CounterMetricFamily("kvcr_event_batches_dropped", "Batches dropped on queue overflow (a gap)",
+                                  value=pub.num_dropped)
+        yield CounterMetricFamily("kvcr_replay_requests", "Replay requests served", value=pub.num_replay_requests)
+        yield GaugeMetricFamily("kvcr_event_seq", "Last event seq assigned", value=pub.last_seq)
+        yield CounterMetricFamily("kvcr_control_requests", "Control requests received", value=ctl.num_requests)
+        yield CounterMetricFamily("kvcr_control_rejected", "Control requests refused with an error",
+                                  value=ctl.num_rejected)
+
+
+def make_registry(service) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RunnerCollector(service))
+    return registry

@@ -1,0 +1,46 @@
+"""What a page tells routers about itself, and how to derive it from a request's tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .keys import event_hashes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Announce:
+    """The engine's own event hash for a page, its parent's, and the page's tokens."""
+
+    event_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+    def to_wire(self) -> list:
+        return [self.event_hash, self.parent_hash, list(self.token_ids), self.lora_name, self.cache_salt]
+
+    @classmethod
+    def from_wire(cls, raw: list) -> "Announce":
+        event_hash, parent, tokens, lora_name, cache_salt = raw
+        return cls(event_hash=event_hash, parent_hash=parent, token_ids=tuple(tokens), lora_name=lora_name,
+                   cache_salt=cache_salt)
+
+
+def announce_request(tokens: Sequence[int], page_size: int, *, first_page: int = 0, num_pages: int | None = None,
+                     extra_key: str | None = None, cache_salt: str | None = None, lora_name: str | None = None,
+                     event_format: str = "default") -> list[Announce]:
+    """Announces for pages [first_page, first_page + num_pages) of a request whose tokens start at 0.
+
+    The event chain depends on every earlier page, so `tokens` must cover the request from its start.
+    """
+    hashes = event_hashes(tokens, page_size, extra_key=extra_key, cache_salt=cache_salt,
+                          event_format=event_format, extra_key_is_lora=lora_name is not None)
+    last = len(hashes) if num_pages is None else min(len(hashes), first_page + num_pages)
+    out = []
+    for i in range(first_page, last):
+        out.append(Announce(event_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
+                            token_ids=tuple(tokens[i * page_size:(i + 1) * page_size]),
+                            lora_name=lora_name, cache_salt=cache_salt))
+    return out

@@ -1,0 +1,191 @@
+"""Page keys and the hashes engines publish for them.
+
+SGLang keys a HiCache page by a SHA-256 chain over its tokens; routers see a 64-bit event
+hash per page. Both are reproduced here byte for byte (vectors: shared/reference/hash-vectors.json).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+U64_MASK = (1 << 64) - 1
+_U32_MAX = (1 << 32) - 1
+
+STORAGE_NS_PREFIX = b"sglang-cache-namespace-v1"
+EVENT_NS_PREFIX = b"sglang-kv-event-namespace-v1"
+EVENT_SALT_PREFIX = b"sglang-cache-salt-v1\0"
+
+EVENT_FORMATS = ("default", "dynamo")
+
+
+class KeyError_(ValueError):
+    """A key, namespace or hash input that cannot be used."""
+
+
+def _part(value: str | None) -> bytes:
+    if value is None:
+        return b"\x00"
+    raw = value.encode("utf-8")
+    return b"\x01" + struct.pack("<Q", len(raw)) + raw
+
+
+def _page_bytes(tokens: Sequence[int]) -> bytes:
+    if any(t > _U32_MAX for t in tokens):
+        return b"\xff" + array("Q", tokens).tobytes()
+    return array("I", tokens).tobytes()
+
+
+def page_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
+    """SHA-256 chain over whole pages; a trailing partial page is ignored."""
+    if page_size <= 0:
+        raise KeyError_(f"page_size must be positive, got {page_size}")
+    prev = prior or b""
+    out: list[bytes] = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prev = hashlib.sha256(prev + _page_bytes(tokens[start:start + page_size])).digest()
+        out.append(prev)
+    return out
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, prior_hex: str | None = None) -> list[str]:
+    """SGLang's HiCache storage keys (64 lowercase hex digits per page)."""
+    prior = bytes.fromhex(prior_hex) if prior_hex else None
+    return [d.hex() for d in page_digests(tokens, page_size, prior)]
+
+
+def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> bytes | None:
+    """Prior digest of a namespaced request's storage chain, None when unnamespaced."""
+    if extra_key is None and cache_salt is None:
+        return None
+    return hashlib.sha256(STORAGE_NS_PREFIX + _part(extra_key) + _part(cache_salt)).digest()
+
+
+def request_page_hashes(tokens: Sequence[int], page_size: int, *, extra_key: str | None = None,
+                        cache_salt: str | None = None) -> list[str]:
+    """Storage keys of a whole request, seeded like SGLang when extra_key or cache_salt is set."""
+    seed = storage_namespace_seed(extra_key, cache_salt)
+    return [d.hex() for d in page_digests(tokens, page_size, seed)]
+
+
+def hash_str_to_int64(page_hex: str) -> int:
+    """SGLang's event int: the first 16 hex digits as a signed int64."""
+    if len(page_hex) < 16:
+        raise KeyError_(f"page hash {page_hex!r} is shorter than 16 hex digits")
+    value = int(page_hex[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def to_u64(value: int) -> int:
+    """Router view of a 64-bit hash (int64 and u64 carry the same bits)."""
+    return value & U64_MASK
+
+
+def to_int64(value: int) -> int:
+    value &= U64_MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def router_u64(page_hex: str) -> int:
+    return to_u64(hash_str_to_int64(page_hex))
+
+
+def event_salt_seed(cache_salt: str) -> bytes:
+    return hashlib.sha256(EVENT_SALT_PREFIX + cache_salt.encode("utf-8")).digest()
+
+
+def event_namespace_seed(extra_key: str | None, cache_salt: str | None, event_format: str,
+                         extra_key_is_lora: bool = True) -> bytes | None:
+    """Seed mixed into published hashes; None means hashes are published unchanged.
+
+    With format "default" SGLang mixes in only a known LoRA extra_key, never the salt.
+    """
+    if event_format not in EVENT_FORMATS:
+        raise KeyError_(f"event format must be one of {EVENT_FORMATS}, got {event_format!r}")
+    if event_format == "default":
+        if extra_key is None or not extra_key_is_lora:
+            return None
+        cache_salt = None
+    elif extra_key is None and cache_salt is None:
+        return None
+    return hashlib.sha256(EVENT_NS_PREFIX + _part(extra_key) + _part(cache_salt)).digest()
+
+
+def namespaced_block_hash(seed: bytes, value: int) -> int:
+    digest = hashlib.sha256(seed + to_int64(value).to_bytes(8, "big", signed=True)).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def event_hashes(tokens: Sequence[int], page_size: int, *, extra_key: str | None = None,
+                 cache_salt: str | None = None, event_format: str = "default",
+                 extra_key_is_lora: bool = True) -> list[int]:
+    """The int64 block hashes an SGLang engine publishes for these pages."""
+    prior = event_salt_seed(cache_salt) if cache_salt is not None else None
+    chain = [int.from_bytes(d[:8], "big", signed=True) for d in page_digests(tokens, page_size, prior)]
+    seed = event_namespace_seed(extra_key, cache_salt, event_format, extra_key_is_lora)
+    if seed is None:
+        return chain
+    return [namespaced_block_hash(seed, h) for h in chain]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Namespace:
+    """Everything that makes two pages with the same token hash hold different bytes."""
+
+    model: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    is_mla: bool = False
+    layout: str = "page_first"
+    dtype: str = "float16"
+    page_size: int = 16
+    components: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise KeyError_("namespace.model must be a non-empty string")
+        for name in ("tp_size", "pp_size", "page_size"):
+            if getattr(self, name) < 1:
+                raise KeyError_(f"namespace.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise KeyError_(f"namespace.tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise KeyError_(f"namespace.pp_rank {self.pp_rank} is outside pp_size {self.pp_size}")
+
+    def fields(self) -> dict[str, object]:
+        # MLA ranks hold identical KV, so the rank does not separate them.
+        rank = "shared" if self.is_mla else f"{self.tp_rank}/{self.tp_size}"
+        return {"model": self.model, "tp": rank, "pp": f"{self.pp_rank}/{self.pp_size}",
+                "mla": self.is_mla, "layout": self.layout, "dtype": self.dtype,
+                "page_size": self.page_size, "components": [list(c) for c in self.components]}
+
+    @property
+    def digest(self) -> str:
+        parts = "|".join(f"{k}={v}" for k, v in self.fields().items())
+        return hashlib.sha256(parts.encode("utf-8")).hexdigest()[:24]
+
+    def differences(self, other: "Namespace") -> list[str]:
+        """Human-readable list of fields that differ, e.g. ["dtype: float16 != bfloat16"]."""
+        mine, theirs = self.fields(), other.fields()
+        return [f"{k}: {mine[k]} != {theirs[k]}" for k in mine if mine[k] != theirs[k]]
+
+
+def storage_key(page_hex: str, namespace_digest: str) -> str:
+    """The runner's key for a page: the engine's page hash within one namespace."""
+    if len(page_hex) != 64 or any(c not in "0123456789abcdef" for c in page_hex):
+        raise KeyError_(f"page hash must be 64 lowercase hex digits, got {page_hex!r}")
+    return f"{page_hex}.{namespace_digest}"
+
+
+def chain_pairs(hashes: Iterable[int], parent: int | None) -> list[tuple[int, int | None]]:
+    """(hash, parent) for each hash of a chain that continues from `parent`."""
+    out = []
+    for h in hashes:
+        out.append((h, parent))
+        parent = h
+    return out

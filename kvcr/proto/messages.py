@@ -1,0 +1,212 @@
+"""Control-plane messages: typed, versioned, msgpack maps. Decoding validates everything once.
+
+Every message carries the protocol version [major, minor], the sender's incarnation and a
+request id; replies echo the id. A peer with another major version is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, get_args, get_origin, get_type_hints
+
+import msgpack
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+CAPABILITIES = ("snapshot", "claims", "fills")
+
+
+class ProtocolError(ValueError):
+    """A control frame that cannot be accepted; `code` is sent back in the Error reply."""
+
+    def __init__(self, message: str, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_REGISTRY: dict[str, type["Message"]] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+    request_id: int = 0
+    incarnation: str = ""
+    version: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
+
+
+def _msg(cls: type) -> type:
+    cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
+    _REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+@_msg
+class InfoRequest(Message):
+    TYPE = "info"
+
+
+@_msg
+class Info(Message):
+    TYPE = "info_reply"
+    info: dict = field(default_factory=dict)
+
+
+@_msg
+class SnapshotRequest(Message):
+    TYPE = "snapshot"
+
+
+@_msg
+class SnapshotPart(Message):
+    """One chunk of the inventory as wire events; `seq` is the last batch the snapshot includes."""
+
+    TYPE = "snapshot_part"
+    seq: int = 0
+    events: list = field(default_factory=list)
+    done: bool = False
+
+
+@_msg
+class Lookup(Message):
+    TYPE = "lookup"
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+
+
+@_msg
+class LookupReply(Message):
+    TYPE = "lookup_reply"
+    num_ready: int = 0
+
+
+@_msg
+class Reserve(Message):
+    TYPE = "reserve"
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+    announces: list = field(default_factory=list)  # per key: Announce.to_wire() or nil
+    lease_s: float = 0.0
+    writer_pid: int = 0  # same-host writer: its fill is not aborted while it lives
+
+
+@_msg
+class Reserved(Message):
+    """Region offset per key; -1 where the page is already present (nothing to write)."""
+
+    TYPE = "reserved"
+    fill_id: int = 0
+    offsets: list = field(default_factory=list)
+
+
+@_msg
+class Commit(Message):
+    TYPE = "commit"
+    fill_id: int = 0
+    ok: list = field(default_factory=list)
+
+
+@_msg
+class Committed(Message):
+    TYPE = "committed"
+    num_committed: int = 0
+
+
+@_msg
+class ClaimRequest(Message):
+    TYPE = "claim"
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+    lease_s: float = 0.0
+
+
+@_msg
+class Granted(Message):
+    TYPE = "granted"
+    claim_id: int = 0
+    offsets: list = field(default_factory=list)
+    generations: list = field(default_factory=list)
+    deadline_s: float = 0.0
+
+
+@_msg
+class Renew(Message):
+    TYPE = "renew"
+    claim_id: int = 0
+
+
+@_msg
+class Renewed(Message):
+    TYPE = "renewed"
+    lease_s: float = 0.0
+
+
+@_msg
+class ReleaseRequest(Message):
+    TYPE = "release"
+    claim_id: int = 0
+
+
+@_msg
+class Released(Message):
+    TYPE = "released"
+    live: list = field(default_factory=list)
+
+
+@_msg
+class Error(Message):
+    TYPE = "error"
+    code: str = ""
+    message: str = ""
+
+
+def encode(msg: Message) -> bytes:
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    body["type"] = msg.TYPE
+    body["version"] = list(msg.version)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+_CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+           str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool),
+           list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}
+
+
+def _check_field(cls: type, name: str, tp: Any, value: Any) -> Any:
+    if get_origin(tp) is tuple:  # the version pair
+        if not (isinstance(value, list) and len(value) == 2 and all(_CHECKS[int](v) for v in value)):
+            raise ProtocolError(f"{cls.TYPE}.{name} must be [major, minor], got {value!r}")
+        return tuple(value)
+    if not _CHECKS[tp](value):
+        raise ProtocolError(f"{cls.TYPE}.{name} must be {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def decode(payload: bytes) -> Message:
+    """Decode and validate one control frame; raises ProtocolError naming the problem."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"a control message must be a map, got {type(raw).__name__}")
+    cls = _REGISTRY.get(raw.pop("type", None))
+    if cls is None:
+        raise ProtocolError("unknown or missing message type", code="unknown_type")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    values = {}
+    for name, value in raw.items():
+        if name in known:
+            values[name] = _check_field(cls, name, hints[name], value)
+        # unknown fields come from a newer minor version: ignored on purpose
+    missing = [n for n, f in known.items() if n not in values and f.default is MISSING
+               and f.default_factory is MISSING]
+    if missing:
+        raise ProtocolError(f"{cls.TYPE} lacks {missing}")
+    msg = cls(**values)
+    if msg.version[0] != PROTOCOL_MAJOR:
+        raise ProtocolError(f"protocol major version {msg.version[0]} is not {PROTOCOL_MAJOR}",
+                            code="version")
+    return msg

@@ -1,0 +1,78 @@
+"""`kvcr serve`: a runner with its event stream, control socket and HTTP endpoint."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import zmq
+
+from . import __version__
+from .config import Config
+from .drivers.http import HttpServer
+from .drivers.zmq_control import ControlServer
+from .drivers.zmq_events import EventPublisher, SeqSource
+from .metrics import make_registry
+from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from .runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        ev = cfg.events
+        self.publisher = EventPublisher(self.ctx, endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint,
+                                        topic=ev.topic, dp_rank=cfg.runner.dp_rank, buffer_steps=ev.buffer_steps,
+                                        queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir))
+        self.runner = Runner(cfg, publish=self.publisher.publish)
+        self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
+                                     snapshot=self.snapshot)
+        self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
+                               info=self.info)
+        self.stopped = threading.Event()
+
+    def start(self) -> "Service":
+        self.publisher.start()
+        self.runner.announce_start()
+        self.control.start()
+        self.http.start()
+        log.info("kvcr runner %s up: events %s, control %s, http %s", self.cfg.runner.name,
+                 self.publisher.bound_endpoint, self.control.bound_endpoint, self.http.url)
+        return self
+
+    def snapshot(self) -> tuple[int, list]:
+        """The inventory and the seq of the last batch it reflects (taken atomically)."""
+        with self.runner.lock:
+            return self.publisher.last_seq, self.runner.inventory()
+
+    def info(self) -> dict:
+        return {"version": __version__, "protocol": [PROTOCOL_MAJOR, PROTOCOL_MINOR],
+                "capabilities": list(CAPABILITIES), "incarnation": self.runner.incarnation,
+                "name": self.cfg.runner.name, "dp_rank": self.cfg.runner.dp_rank,
+                "block_size": self.cfg.runner.block_size, "event_format": self.cfg.events.event_format,
+                "endpoints": {"events": self.publisher.bound_endpoint,
+                              "replay": self.publisher.bound_replay_endpoint,
+                              "control": self.control.bound_endpoint, "http": self.http.url},
+                "topic": self.cfg.events.topic, **self.runner.info()}
+
+    def stop(self) -> None:
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        self.control.stop()
+        self.http.stop()
+        self.runner.shutdown()  # publishes the removals before the publisher drains and closes
+        self.publisher.stop()
+        self.ctx.term()
+
+    def serve_forever(self) -> None:
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        while not done.wait(0.5):
+            pass
+        self.stop()

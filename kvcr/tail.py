@@ -1,0 +1,46 @@
+"""`kvcr events tail`: events as JSON lines on stdout, notices (gaps, replays) on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from .proto.events import BlockStored
+
+
+def tail(endpoint: str, replay: str | None, *, count: int = 0, timeout_s: float = 0.0,
+         from_snapshot: str | None = None, out=sys.stdout) -> int:
+    from router_hints.subscriber import Delivery, Subscriber
+
+    sub = Subscriber()
+    sub.add("runner", endpoint, replay)
+    if from_snapshot:
+        from .client import ControlClient
+
+        with ControlClient(from_snapshot) as client:
+            seq, events = client.snapshot()
+        for event in events:
+            out.write(json.dumps({"seq": seq, "snapshot": True, "event": event.to_wire()}) + "\n")
+        sub.start_after("runner", seq)
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    stored = 0
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            for item in sub.poll(200):
+                if not isinstance(item, Delivery):
+                    print(f"kvcr events tail: {item.kind}: {item.detail}", file=sys.stderr)
+                    continue
+                for event in item.batch.events:
+                    out.write(json.dumps({"seq": item.seq, "ts": item.batch.ts, "dp_rank": item.batch.dp_rank,
+                                          "replayed": item.replayed, "event": event.to_wire()}) + "\n")
+                    if isinstance(event, BlockStored):
+                        stored += len(event.block_hashes)
+                out.flush()
+            if count and stored >= count:
+                return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        sub.close()
+    return 0 if not count else 1

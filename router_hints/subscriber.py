@@ -1,0 +1,150 @@
+"""Subscriber: follows runners' and engines' event streams, repairing gaps by replay.
+
+Per publisher it tracks seq (kvcr.proto.stream), asks the replay socket for a gap, and falls
+back to a snapshot callback when replay cannot fill it. Malformed frames are counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import zmq
+
+from kvcr.proto.events import REPLAY_END_SEQ, AllBlocksCleared, EventBatch, EventError, decode_frames, encode_seq
+from kvcr.proto.stream import StreamTracker, Verdict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    publisher: str
+    seq: int
+    batch: EventBatch
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something a consumer should know besides events: a gap, a restart, an unrepaired loss."""
+
+    publisher: str
+    kind: str
+    detail: str
+
+
+@dataclass
+class _Publisher:
+    name: str
+    endpoint: str
+    replay_endpoint: str | None
+    tracker: StreamTracker = field(default_factory=StreamTracker)
+
+
+class Subscriber:
+    def __init__(self, *, ctx: zmq.Context | None = None, topic: bytes = b"", replay_timeout_s: float = 2.0,
+                 on_unrepaired: Callable[[str], None] | None = None) -> None:
+        self._ctx = ctx or zmq.Context.instance()
+        self._topic = topic
+        self._publishers: dict[str, _Publisher] = {}
+        self._sockets: dict[str, zmq.Socket] = {}
+        self.replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.on_unrepaired = on_unrepaired
+        self.num_malformed = 0
+
+    def add(self, name: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        # One SUB socket per publisher: frames carry no sender, so the socket tells streams apart.
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self._publishers[name] = _Publisher(name, endpoint, replay_endpoint)
+        self._sockets[name] = sock
+
+    def start_after(self, name: str, seq: int) -> None:
+        """Continue `name` after a snapshot taken at `seq`."""
+        self._publishers[name].tracker.advance(seq)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+
+    def poll(self, timeout_ms: int) -> Iterator[Delivery | Notice]:
+        poller = zmq.Poller()
+        for sock in self._sockets.values():
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        for name, sock in self._sockets.items():
+            if sock not in ready:
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                yield from self._on_frames(self._publishers[name], frames)
+
+    def _on_frames(self, pub: _Publisher, frames: list[bytes], replayed: bool = False
+                   ) -> Iterator[Delivery | Notice]:
+        try:
+            _, seq, batch = decode_frames(frames)
+        except EventError as exc:
+            self.num_malformed += 1
+            yield Notice(pub.name, "malformed", str(exc))
+            return
+        starts_with_clear = bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
+        verdict, gap_start = pub.tracker.classify(seq, starts_with_clear)
+        pub.tracker.note(verdict, seq, gap_start)
+        if verdict is Verdict.STALE:
+            return
+        if verdict is Verdict.RESTART:
+            yield Notice(pub.name, "restart", f"seq went back to {seq}")
+        if verdict is Verdict.GAP:
+            yield Notice(pub.name, "gap", f"missing [{gap_start}, {seq})")
+            yield from self._replay(pub, gap_start, seq)
+            if pub.tracker.last is not None and seq <= pub.tracker.last:
+                return
+        pub.tracker.advance(seq)
+        yield Delivery(pub.name, seq, batch, replayed)
+
+    def _replay(self, pub: _Publisher, start: int, stop: int) -> Iterator[Delivery | Notice]:
+        if pub.replay_endpoint is None:
+            yield from self._unrepaired(pub, start, stop, "no replay endpoint")
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pub.replay_endpoint)
+        try:
+            sock.send_multipart([b"", encode_seq(start)])
+            got: list[tuple[int, list[bytes]]] = []
+            while True:
+                if not sock.poll(self.replay_timeout_ms):
+                    yield from self._unrepaired(pub, start, stop, "replay timed out")
+                    return
+                frames = sock.recv_multipart()
+                if len(frames) == 5 and frames[3] == REPLAY_END_SEQ:
+                    break
+                if len(frames) == 4:
+                    got.append((int.from_bytes(frames[2], "big"), frames[1:]))
+        finally:
+            sock.close()
+        if not got or got[0][0] > start:
+            yield from self._unrepaired(pub, start, stop, "replay buffer no longer holds the gap")
+            pub.tracker.advance(stop - 1)
+            return
+        for seq, frames in sorted(got):
+            if seq <= (pub.tracker.last if pub.tracker.last is not None else -1):
+                continue
+            pub.tracker.advance(seq)
+            try:
+                yield Delivery(pub.name, seq, decode_frames(frames)[2], replayed=True)
+            except EventError as exc:
+                self.num_malformed += 1
+                yield Notice(pub.name, "malformed", f"replayed batch {seq}: {exc}")
+
+    def _unrepaired(self, pub: _Publisher, start: int, stop: int, why: str) -> Iterator[Notice]:
+        if self.on_unrepaired is not None:
+            self.on_unrepaired(pub.name)
+        yield Notice(pub.name, "lost", f"batches [{start}, {stop}) not repaired: {why}")

@@ -1,0 +1,1 @@
+"""SGLang HiCache storage backend for kvcr (`--hicache-storage-backend kvcr`)."""

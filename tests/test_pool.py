@@ -1,0 +1,216 @@
+"""PagePool and ClaimTable as pure state machines: residency, eviction order, claims, leases."""
+
+import pytest
+
+from kvcr.proto.announce import Announce, announce_request
+from kvcr.proto.claims import ClaimError, ClaimLimit, ClaimTable
+from kvcr.proto.events import BlockRemoved, BlockStored
+from kvcr.proto.keys import request_page_hashes
+from kvcr.proto.pool import PagePool, PageSizeError, PoolExhausted
+
+BLOCK = 4
+
+
+def make_pool(slots=8, **kw):
+    return PagePool("kv", page_bytes=64, num_slots=slots, block_size=BLOCK, **kw)
+
+
+def chain(n, start=0, salt=None):
+    tokens = list(range(start, start + n * BLOCK))
+    return request_page_hashes(tokens, BLOCK, cache_salt=salt), announce_request(tokens, BLOCK, cache_salt=salt)
+
+
+def store(pool, keys, announces=None):
+    pages = pool.begin_fill(keys, announces)
+    pool.commit_fill(pages)
+    return pages
+
+
+def test_filling_pages_are_invisible_until_committed():
+    pool = make_pool()
+    keys, ann = chain(2)
+    pages = pool.begin_fill(keys, ann)
+    assert pool.leading_ready(keys) == 0 and pool.take_events() == []
+    pool.commit_fill(pages)
+    assert pool.leading_ready(keys) == 2
+
+
+def test_commit_publishes_one_coalesced_block_stored_with_parent_links():
+    pool = make_pool()
+    keys, ann = chain(3)
+    store(pool, keys, ann)
+    (event,) = pool.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == tuple(a.event_hash for a in ann) and event.parent_block_hash is None
+    assert len(event.token_ids) == 3 * BLOCK and event.medium == "CPU_PINNED"
+
+
+def test_pages_without_an_event_hash_are_stored_but_never_announced():
+    pool = make_pool()
+    keys, _ = chain(2)
+    store(pool, keys, None)
+    assert pool.leading_ready(keys) == 2 and pool.take_events() == []
+    assert pool.key_for_event_hash(123) is None
+
+
+def test_failed_fill_frees_its_slot_and_announces_nothing():
+    pool = make_pool()
+    keys, ann = chain(2)
+    pages = pool.begin_fill(keys, ann)
+    pool.commit_fill(pages, ok=[True, False])
+    assert pool.leading_ready(keys) == 1
+    assert pool.statistics().num_free == 7
+    assert pool.take_events()[0].block_hashes == (ann[0].event_hash,)
+
+
+def test_present_keys_are_not_refilled():
+    pool = make_pool()
+    keys, ann = chain(2)
+    store(pool, keys, ann)
+    assert pool.begin_fill(keys, ann) == [None, None]
+
+
+def test_lru_evicts_the_tail_of_a_chain_before_its_head():
+    pool = make_pool(slots=4)
+    keys, ann = chain(4)
+    store(pool, keys, ann)
+    pool.take_events()
+    other, other_ann = chain(1, start=1000)
+    store(pool, other, other_ann)
+    removed = [e for e in pool.take_events() if isinstance(e, BlockRemoved)]
+    assert removed[0].block_hashes == (ann[-1].event_hash,)
+    assert pool.leading_ready(keys) == 3
+
+
+def test_reading_a_chain_protects_it_from_eviction():
+    pool = make_pool(slots=4)
+    a, a_ann = chain(2)
+    b, b_ann = chain(2, start=500)
+    store(pool, a, a_ann)
+    store(pool, b, b_ann)
+    pool.touch(a)
+    store(pool, *chain(2, start=900))
+    assert pool.leading_ready(a) == 2 and pool.leading_ready(b) == 0
+
+
+def test_watermark_evicts_down_to_the_low_mark():
+    pool = make_pool(slots=10, high_watermark=0.8, low_watermark=0.5)
+    keys, ann = chain(9)
+    store(pool, keys, ann)
+    assert pool.statistics().num_ready == 5
+
+
+def test_exhausted_pool_names_itself_and_keeps_existing_pages():
+    pool = make_pool(slots=2)
+    table = ClaimTable(max_claim_fraction=1.0)
+    keys, ann = chain(2)
+    store(pool, keys, ann)
+    table.claim(pool, keys, owner="x", lease_s=5, now=0)
+    with pytest.raises(PoolExhausted, match="pool 'kv' is full: 1 pages needed, 0 free, 2 claimed"):
+        pool.begin_fill(*chain(1, start=77))
+    assert pool.leading_ready(keys) == 2
+
+
+def test_announce_with_wrong_token_count_is_refused():
+    pool = make_pool()
+    with pytest.raises(PageSizeError, match="announces 3 token ids, block_size is 4"):
+        pool.begin_fill(["k"], [Announce(event_hash=1, parent_hash=None, token_ids=(1, 2, 3))])
+
+
+def test_claimed_pages_survive_eviction_and_removal_until_released():
+    pool = make_pool(slots=2)
+    table = ClaimTable(max_claim_fraction=1.0)
+    keys, ann = chain(2)
+    store(pool, keys, ann)
+    claim = table.claim(pool, keys, owner="peer", lease_s=5, now=0)
+    assert pool.remove(keys) == 2
+    assert pool.leading_ready(keys) == 0 and pool.statistics().num_discarding == 2
+    assert table.release(claim.claim_id, owner="peer").live == (True, True)
+    stats = pool.statistics()
+    assert stats.num_free == 2 and stats.num_discarding == 0
+
+
+def test_claim_pins_only_the_leading_present_prefix():
+    pool = make_pool()
+    keys, ann = chain(4)
+    store(pool, keys[:2], ann[:2])
+    claim = ClaimTable().claim(pool, keys, owner="o", lease_s=1, now=0)
+    assert [p.key for p in claim.pages] == keys[:2]
+
+
+def test_claims_are_capped_at_the_configured_fraction():
+    pool = make_pool(slots=4)
+    table = ClaimTable(max_claim_fraction=0.5)
+    keys, ann = chain(4)
+    store(pool, keys, ann)
+    assert len(table.claim(pool, keys, owner="a", lease_s=1, now=0).pages) == 2
+    with pytest.raises(ClaimLimit, match="max_claim_fraction 0.5"):
+        table.claim(pool, keys[2:], owner="b", lease_s=1, now=0)
+
+
+def test_lease_expiry_releases_and_renew_extends():
+    pool = make_pool()
+    table = ClaimTable()
+    keys, ann = chain(2)
+    store(pool, keys, ann)
+    c1 = table.claim(pool, keys, owner="a", lease_s=1.0, now=0.0)
+    c2 = table.claim(pool, keys, owner="b", lease_s=1.0, now=0.0)
+    table.renew(c2.claim_id, owner="b", now=0.9)
+    assert table.expire(1.0) == [c1.claim_id]
+    assert pool.num_claimed == 2
+    assert table.next_deadline() == pytest.approx(1.9)
+    assert table.expire(2.0) == [c2.claim_id] and pool.num_claimed == 0
+    with pytest.raises(ClaimError, match="not held"):
+        table.release(c1.claim_id, owner="a")
+
+
+def test_release_by_another_owner_is_refused():
+    pool = make_pool()
+    table = ClaimTable()
+    keys, ann = chain(1)
+    store(pool, keys, ann)
+    claim = table.claim(pool, keys, owner="a", lease_s=1, now=0)
+    with pytest.raises(ClaimError, match="belongs to 'a'"):
+        table.release(claim.claim_id, owner="b")
+
+
+def test_expired_fill_reservation_frees_its_slots():
+    pool = make_pool()
+    table = ClaimTable()
+    keys, ann = chain(3)
+    fill = table.reserve(pool, keys, ann, owner="w", lease_s=1, now=0)
+    assert pool.statistics().num_filling == 3
+    table.expire(5)
+    assert pool.statistics().num_free == 8 and pool.leading_ready(keys) == 0
+    with pytest.raises(ClaimError):
+        table.commit(fill.fill_id, owner="w", ok=None)
+
+
+def test_clear_during_fill_discards_the_late_commit():
+    pool = make_pool()
+    keys, ann = chain(2)
+    pages = pool.begin_fill(keys, ann)
+    pool.clear()
+    pool.commit_fill(pages)
+    assert pool.leading_ready(keys) == 0 and pool.statistics().num_free == 8
+
+
+def test_generation_detects_slot_reuse():
+    pool = make_pool(slots=1)
+    table = ClaimTable(max_claim_fraction=1.0)
+    keys, ann = chain(1)
+    (page,) = store(pool, keys, ann)
+    claim = table.claim(pool, keys, owner="a", lease_s=1, now=0)
+    table.expire(2)
+    store(pool, *chain(1, start=50))
+    assert not pool.is_live(page) and page.generation != pool._generation[page.slot]
+    assert claim.claim_id not in table._claims
+
+
+def test_salted_chain_is_announced_with_salt_and_salted_hashes():
+    pool = make_pool()
+    keys, ann = chain(2, salt="tenant")
+    store(pool, keys, ann)
+    (event,) = pool.take_events()
+    assert event.cache_salt == "tenant"
+    assert event.block_hashes != tuple(a.event_hash for a in chain(2)[1])

@@ -1,0 +1,145 @@
+"""Event batches, control messages and hint envelopes: encoding, decoding and rejection."""
+
+import msgpack
+import pytest
+
+from kvcr.proto import events as ev
+from kvcr.proto import hints, messages
+
+
+def stored(**kw):
+    base = dict(block_hashes=(11, 12), parent_block_hash=None, token_ids=tuple(range(32)), block_size=16,
+                medium="GPU", lora_name=None)
+    return ev.BlockStored(**{**base, **kw})
+
+
+def test_batch_bytes_match_vllm_encoder_layout():
+    batch = ev.EventBatch(ts=1700000000.5, events=(stored(), ev.BlockRemoved(block_hashes=(11,), medium="GPU"),
+                                                   ev.AllBlocksCleared()), dp_rank=0)
+    raw = batch.encode()
+    # [ts float64, [ {fixmap 8: "type": "BlockStored", ...} ...], 0]: vLLM's layout, type first.
+    assert raw[:12] == bytes.fromhex("93cb41d954fc402000009388")
+    assert raw[12:29] == b"\xa4type\xabBlockStored"
+    decoded = msgpack.unpackb(raw)
+    assert decoded[0] == 1700000000.5 and decoded[2] == 0
+    first = decoded[1][0]
+    assert list(first)[0] == "type" and "ownership" not in first
+    assert first["lora_id"] is None and first["parent_block_hash"] is None
+    assert decoded[1][2] == {"type": "AllBlocksCleared"}
+    assert ev.decode_batch(raw) == batch
+
+
+def test_positional_events_from_older_publishers_decode():
+    raw = msgpack.packb([1.0, [["BlockStored", [1, 2], None, list(range(8)), 4, None, "CPU_PINNED",
+                                {"cache_salt": "t"}], ["BlockRemoved", [1], "CPU_PINNED"]], None])
+    batch = ev.decode_batch(raw)
+    assert batch.events[0].cache_salt == "t" and batch.events[0].medium == "CPU_PINNED"
+    assert batch.events[1] == ev.BlockRemoved(block_hashes=(1,), medium="CPU_PINNED")
+
+
+@pytest.mark.parametrize("payload,problem", [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb([1.0, []]), "3-element"),
+    (msgpack.packb(["x", [], 0]), "ts must be a number"),
+    (msgpack.packb([1.0, {}, 0]), "events must be an array"),
+    (msgpack.packb([1.0, [], -1]), "dp_rank"),
+    (msgpack.packb([1.0, [{"type": "Bogus"}], 0]), "unknown event type"),
+    (msgpack.packb([1.0, [{"type": "BlockStored"}], 0]), "lacks field"),
+    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                           "token_ids": [1, 2], "block_size": 16}], 0]), "token_ids has 2 tokens"),
+    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [b"raw"], "parent_block_hash": None,
+                           "token_ids": [], "block_size": 16}], 0]), "64-bit integer"),
+    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "DRAM"}], 0]), "medium"),
+    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "ownership": "kvcr"}], 0]), "ownership"),
+    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1, 2.5]}], 0]), "64-bit integer"),
+])
+def test_malformed_batches_are_rejected_naming_the_problem(payload, problem):
+    with pytest.raises(ev.EventError, match=problem):
+        ev.decode_batch(payload)
+
+
+@pytest.mark.parametrize("frames,problem", [([b"", b"\x00" * 7, b""], "8 bytes"), ([b""], "3 frames")])
+def test_malformed_frames_are_rejected(frames, problem):
+    with pytest.raises(ev.EventError, match=problem):
+        ev.decode_frames(frames)
+
+
+def test_block_stored_refuses_duplicates_and_self_parent():
+    with pytest.raises(ev.EventError, match="duplicate"):
+        stored(block_hashes=(1, 1))
+    with pytest.raises(ev.EventError, match="own parent"):
+        stored(parent_block_hash=11)
+
+
+# --- control messages ------------------------------------------------------------------------------
+
+def test_control_message_round_trip_keeps_version_and_ids():
+    msg = messages.ClaimRequest(request_id=7, incarnation="abc", pool="kv", keys=["a" * 64], lease_s=2.5)
+    assert messages.decode(messages.encode(msg)) == msg
+
+
+def test_newer_minor_version_fields_are_ignored():
+    raw = msgpack.packb({"type": "lookup", "version": [1, 9], "keys": [], "future_field": 1})
+    assert messages.decode(raw).version == (1, 9)
+
+
+@pytest.mark.parametrize("raw,code,problem", [
+    (b"\xc1", "bad_request", "not msgpack"),
+    (msgpack.packb([1]), "bad_request", "must be a map"),
+    (msgpack.packb({"type": "nope"}), "unknown_type", "unknown"),
+    (msgpack.packb({"type": "lookup", "keys": "x"}), "bad_request", "lookup.keys must be list"),
+    (msgpack.packb({"type": "lookup", "version": [2, 0]}), "version", "major version 2"),
+    (msgpack.packb({"type": "lookup", "version": "1.0"}), "bad_request", "major, minor"),
+    (msgpack.packb({"type": "renew", "claim_id": True}), "bad_request", "claim_id must be int"),
+])
+def test_bad_control_frames_are_refused_with_a_reason(raw, code, problem):
+    with pytest.raises(messages.ProtocolError, match=problem) as info:
+        messages.decode(raw)
+    assert info.value.code == code
+
+
+# --- hints -------------------------------------------------------------------------------------------
+
+def envelope(**payload):
+    body = {"source_control_endpoint": "tcp://h:1", "block_hashes": [1, 2], **payload}
+    return {"protocol_version": "0.1", "message_id": "m", "actions": [
+        {"action_id": "a0", "action_type": "other", "action_version": "1.0", "payload": {}},
+        {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0", "payload": body}]}
+
+
+def test_hint_envelope_round_trip_uses_first_fetch_action():
+    built = hints.build_envelope("tcp://h:1", [5, -1])
+    hint = hints.parse_envelope(built)
+    assert hint.block_hashes == (5, (1 << 64) - 1) and hint.mode == "copy" and not hint.warnings
+    assert hints.parse_envelope(envelope()).source_control_endpoint == "tcp://h:1"
+
+
+def test_hint_version_mismatch_only_warns():
+    env = envelope()
+    env["protocol_version"] = "0.2"
+    assert hints.parse_envelope(env).warnings
+
+
+@pytest.mark.parametrize("change,problem", [
+    ({"source_control_endpoint": ""}, "non-empty string"),
+    ({"block_hashes": []}, "non-empty list"),
+    ({"block_hashes": [True]}, r"\[0, 2\^64\)"),
+    ({"block_hashes": [-1]}, r"\[0, 2\^64\)"),
+    ({"block_hashes": [1 << 64]}, r"\[0, 2\^64\)"),
+    ({"mode": "move"}, "move"),
+    ({"mode": "teleport"}, "mode"),
+    ({"no_retain": True}, "no_retain"),
+])
+def test_bad_hints_are_rejected_with_the_reason(change, problem):
+    with pytest.raises(hints.HintError, match=problem):
+        hints.parse_envelope(envelope(**change))
+
+
+def test_move_mode_only_where_allowed_and_legacy_flat_form():
+    assert hints.parse_envelope(envelope(mode="move"), allow_move=True).mode == "move"
+    flat = {"source_control_endpoint": "tcp://h:2", "block_hashes": [3]}
+    assert hints.parse_envelope(flat).block_hashes == (3,)
+    assert hints.extract_request_hint({"kv_transfer_params": {"router_hint": flat}}) == flat
+    with pytest.raises(hints.HintError, match="source-less"):
+        hints.parse_envelope({"protocol_version": "0.1", "actions": [
+            {"action_type": "kv.fetch", "action_version": "1.0", "payload": {"block_hashes": [1]}}]})
