@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from .proto.keys import EVENT_FORMATS, KeyError_, Namespace
+from .proto.keys import EVENT_FORMATS, KeyFormatError, Namespace
 
 
 class ConfigError(ValueError):
@@ -134,6 +134,7 @@ class EventsConfig:
     buffer_steps: int = 10_000
     queue_size: int = 100_000
     event_format: str = "default"
+    heartbeat_s: float = 1.0
     engine_endpoint: str = ""
     engine_replay_endpoint: str = ""
 
@@ -166,7 +167,7 @@ class Config:
             return Namespace(model=ns.model, tp_size=ns.tp_size, tp_rank=ns.tp_rank, pp_size=ns.pp_size,
                              pp_rank=ns.pp_rank, is_mla=ns.is_mla, layout=ns.layout, dtype=ns.dtype,
                              page_size=self.runner.block_size, components=((pool.name, pool.page_bytes),))
-        except KeyError_ as exc:
+        except KeyFormatError as exc:
             raise ConfigError(str(exc)) from None
 
     def pool_sizes(self) -> dict[str, int]:
@@ -210,6 +211,7 @@ def _validate(cfg: Config) -> None:
     _require(e.event_format in EVENT_FORMATS, f"events.event_format = {e.event_format!r} must be one of "
              f"{EVENT_FORMATS}")
     _require(e.buffer_steps >= 1, f"events.buffer_steps = {e.buffer_steps} must be >= 1")
+    _require(e.heartbeat_s >= 0, f"events.heartbeat_s = {e.heartbeat_s} must be >= 0 (0 disables it)")
     _require(e.queue_size >= 1, f"events.queue_size = {e.queue_size} must be >= 1")
     for key, value in (("events.endpoint", e.endpoint), ("events.replay_endpoint", e.replay_endpoint),
                        ("runner.control_endpoint", r.control_endpoint)):

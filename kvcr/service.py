@@ -27,7 +27,8 @@ class Service:
         ev = cfg.events
         self.publisher = EventPublisher(self.ctx, endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint,
                                         topic=ev.topic, dp_rank=cfg.runner.dp_rank, buffer_steps=ev.buffer_steps,
-                                        queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir))
+                                        queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir),
+                                        heartbeat_s=ev.heartbeat_s)
         self.runner = Runner(cfg, publish=self.publisher.publish)
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot)

@@ -123,11 +123,13 @@ class Subscriber:
                 if not sock.poll(self.replay_timeout_ms):
                     yield from self._unrepaired(pub, start, stop, "replay timed out")
                     return
-                frames = sock.recv_multipart()
-                if len(frames) == 5 and frames[3] == REPLAY_END_SEQ:
+                frames = sock.recv_multipart()  # [empty, topic, seq, payload]; seq ff x 8 ends it
+                if len(frames) != 4:
+                    self.num_malformed += 1
+                    continue
+                if frames[2] == REPLAY_END_SEQ:
                     break
-                if len(frames) == 4:
-                    got.append((int.from_bytes(frames[2], "big"), frames[1:]))
+                got.append((int.from_bytes(frames[2], "big"), frames[1:]))
         finally:
             sock.close()
         if not got or got[0][0] > start:

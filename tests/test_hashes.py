@@ -108,5 +108,5 @@ def test_mla_ranks_share_a_namespace():
 
 @pytest.mark.parametrize("bad", ["", "abc", "g" * 64, "A" * 64, "../" + "a" * 61])
 def test_storage_key_rejects_non_hex_page_hashes(bad):
-    with pytest.raises(keys.KeyError_, match="64 lowercase hex"):
+    with pytest.raises(keys.KeyFormatError, match="64 lowercase hex"):
         keys.storage_key(bad, "ns")

@@ -39,7 +39,7 @@ class ControlServer:
         self._thread = threading.Thread(target=self._run, name="kvcr-control", daemon=True)
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
-                          m.ReleaseRequest: self._on_release}
+                          m.ReleaseRequest: self._on_release, m.Remove: self._on_remove}
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
@@ -114,6 +114,9 @@ class ControlServer:
 
     def _on_lookup(self, msg: m.Lookup, owner: str) -> m.Message:
         return m.LookupReply(num_ready=self.runner.lookup(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+
+    def _on_remove(self, msg: m.Remove, owner: str) -> m.Message:
+        return m.Removed(num_removed=self.runner.remove(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
 
     def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
         announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None

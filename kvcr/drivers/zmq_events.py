@@ -3,6 +3,9 @@
 `publish()` never blocks the data path: it only appends to a bounded queue. When the queue is
 full the batch is dropped but still consumes a seq number, so consumers see a gap and repair
 it (replay misses it too, so they fall back to the runner's snapshot).
+
+When idle it sends an empty batch every `heartbeat_s`: consumers only notice a loss (such as the
+first batches of a restarted runner, sent before their SUB reconnected) when a later seq arrives.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class SeqSource:
 class EventPublisher:
     def __init__(self, ctx: zmq.Context, *, endpoint: str, replay_endpoint: str, topic: str = "",
                  dp_rank: int | None = 0, buffer_steps: int = 10_000, queue_size: int = 100_000,
-                 seq: SeqSource | None = None) -> None:
+                 seq: SeqSource | None = None, heartbeat_s: float = 1.0) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -76,6 +79,8 @@ class EventPublisher:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.seq = seq or SeqSource()
+        self.heartbeat_s = heartbeat_s
+        self._last_publish = time.monotonic()
         self.last_seq = self.seq.next - 1
         self.bound_endpoint = ""
         self.bound_replay_endpoint = ""
@@ -98,6 +103,7 @@ class EventPublisher:
         with self._lock:
             seq = self.seq.take()
             self.last_seq = seq
+            self._last_publish = time.monotonic()
             if len(self._queue) >= self._queue_size:
                 self.num_dropped += 1
                 self._queue.append((seq, None))  # a hole consumers will see
@@ -138,6 +144,8 @@ class EventPublisher:
                 if poller.poll(timeout=2 if not self._wake.is_set() else 0):
                     self._serve_replay(replay)
                 self._wake.wait(0.002)
+                if self.heartbeat_s and time.monotonic() - self._last_publish >= self.heartbeat_s:
+                    self.publish([])
         finally:
             self._drain(pub)
             pub.close()

@@ -22,7 +22,7 @@ EVENT_SALT_PREFIX = b"sglang-cache-salt-v1\0"
 EVENT_FORMATS = ("default", "dynamo")
 
 
-class KeyError_(ValueError):
+class KeyFormatError(ValueError):
     """A key, namespace or hash input that cannot be used."""
 
 
@@ -42,7 +42,7 @@ def _page_bytes(tokens: Sequence[int]) -> bytes:
 def page_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
     """SHA-256 chain over whole pages; a trailing partial page is ignored."""
     if page_size <= 0:
-        raise KeyError_(f"page_size must be positive, got {page_size}")
+        raise KeyFormatError(f"page_size must be positive, got {page_size}")
     prev = prior or b""
     out: list[bytes] = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
@@ -74,7 +74,7 @@ def request_page_hashes(tokens: Sequence[int], page_size: int, *, extra_key: str
 def hash_str_to_int64(page_hex: str) -> int:
     """SGLang's event int: the first 16 hex digits as a signed int64."""
     if len(page_hex) < 16:
-        raise KeyError_(f"page hash {page_hex!r} is shorter than 16 hex digits")
+        raise KeyFormatError(f"page hash {page_hex!r} is shorter than 16 hex digits")
     value = int(page_hex[:16], 16)
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -104,7 +104,7 @@ def event_namespace_seed(extra_key: str | None, cache_salt: str | None, event_fo
     With format "default" SGLang mixes in only a known LoRA extra_key, never the salt.
     """
     if event_format not in EVENT_FORMATS:
-        raise KeyError_(f"event format must be one of {EVENT_FORMATS}, got {event_format!r}")
+        raise KeyFormatError(f"event format must be one of {EVENT_FORMATS}, got {event_format!r}")
     if event_format == "default":
         if extra_key is None or not extra_key_is_lora:
             return None
@@ -148,14 +148,14 @@ class Namespace:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise KeyError_("namespace.model must be a non-empty string")
+            raise KeyFormatError("namespace.model must be a non-empty string")
         for name in ("tp_size", "pp_size", "page_size"):
             if getattr(self, name) < 1:
-                raise KeyError_(f"namespace.{name} must be >= 1, got {getattr(self, name)}")
+                raise KeyFormatError(f"namespace.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise KeyError_(f"namespace.tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+            raise KeyFormatError(f"namespace.tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         if not 0 <= self.pp_rank < self.pp_size:
-            raise KeyError_(f"namespace.pp_rank {self.pp_rank} is outside pp_size {self.pp_size}")
+            raise KeyFormatError(f"namespace.pp_rank {self.pp_rank} is outside pp_size {self.pp_size}")
 
     def fields(self) -> dict[str, object]:
         # MLA ranks hold identical KV, so the rank does not separate them.
@@ -178,7 +178,7 @@ class Namespace:
 def storage_key(page_hex: str, namespace_digest: str) -> str:
     """The runner's key for a page: the engine's page hash within one namespace."""
     if len(page_hex) != 64 or any(c not in "0123456789abcdef" for c in page_hex):
-        raise KeyError_(f"page hash must be 64 lowercase hex digits, got {page_hex!r}")
+        raise KeyFormatError(f"page hash must be 64 lowercase hex digits, got {page_hex!r}")
     return f"{page_hex}.{namespace_digest}"
 
 

@@ -81,6 +81,19 @@ class LookupReply(Message):
 
 
 @_msg
+class Remove(Message):
+    TYPE = "remove"
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+
+
+@_msg
+class Removed(Message):
+    TYPE = "removed"
+    num_removed: int = 0
+
+
+@_msg
 class Reserve(Message):
     TYPE = "reserve"
     pool: str = "kv"

@@ -1,0 +1,228 @@
+"""A real `kvcr serve` process: discovery, self-check, events with replay and snapshot, shutdown, restart."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import msgpack
+import pytest
+import zmq
+
+from kvcr.cli import fetch_info
+from kvcr.client import AttachedWriter, ControlClient, ControlError
+from kvcr.proto import messages as m
+from kvcr.proto.announce import announce_request
+from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcr.proto.keys import request_page_hashes
+from kvcr.selfcheck import run_selfcheck
+from router_hints.subscriber import Delivery, Notice, Subscriber
+from tests.conftest import ROOT, wait_until
+
+BLOCK = 16
+
+
+def pages_for(n, seed=0, page_bytes=65536, salt=None):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(50000) for _ in range(n * BLOCK)]
+    return (request_page_hashes(tokens, BLOCK, cache_salt=salt), announce_request(tokens, BLOCK, cache_salt=salt),
+            [rng.randbytes(page_bytes) for _ in range(n)])
+
+
+def collect(sub, until, timeout_s=10.0):
+    """Deliveries and notices until `until(items)` is true."""
+    items = []
+    try:
+        wait_until(lambda: (items.extend(sub.poll(100)), until(items))[1], timeout_s, message="events")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; got {items}") from None
+    return items
+
+
+def stored_hashes(items):
+    return [h for d in items if isinstance(d, Delivery) for e in d.batch.events if isinstance(e, BlockStored)
+            for h in e.block_hashes]
+
+
+def subscribe(info, name="r"):
+    sub = Subscriber()
+    sub.add(name, info["endpoints"]["events"], info["endpoints"]["replay"])
+    return sub
+
+
+def test_info_is_served_on_the_control_socket_and_over_http(runner_factory):
+    info = runner_factory().start()
+    over_zmq = fetch_info(info["endpoints"]["control"])
+    over_http = fetch_info(info["endpoints"]["http"])
+    assert over_zmq == over_http == info
+    assert set(info["endpoints"]) == {"events", "replay", "control", "http"}
+    assert info["block_size"] == BLOCK and len(info["incarnation"]) == 16
+    assert info["pools"][0]["namespace"]["model"] == "default"
+    out = subprocess.run([sys.executable, "-m", "kvcr.cli", "info", info["endpoints"]["control"]], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert json.loads(out.stdout)["incarnation"] == info["incarnation"]
+
+
+def test_selfcheck_round_trips_64_pages_and_the_stream_shows_64_stored(runner_factory):
+    info = runner_factory().start()
+    sub = subscribe(info)
+    wait_until(lambda: list(sub.poll(50)) or True, 1.0)  # let the SUB connect (slow joiner)
+    import time
+    time.sleep(0.5)
+    assert run_selfcheck(info["endpoints"]["control"], pages=64) == 0
+    items = collect(sub, lambda it: len(stored_hashes(it)) >= 64)
+    assert len(stored_hashes(items)) == 64
+    sub.close()
+
+
+def test_a_gap_is_repaired_by_replay(runner_factory):
+    info = runner_factory().start()
+    control = info["endpoints"]["control"]
+    with ControlClient(control) as client:
+        seq, _ = client.snapshot()
+        writer = AttachedWriter(client)
+        keys, ann, data = pages_for(6)
+        for i in range(3):  # three batches nobody is listening to
+            writer.put("kv", keys[i:i + 1], data[i:i + 1], ann[i:i + 1])
+        sub = subscribe(info)
+        sub.start_after("r", seq)
+        import time
+        time.sleep(0.5)
+        writer.put("kv", keys[3:], data[3:], ann[3:])
+        items = collect(sub, lambda it: len(stored_hashes(it)) >= 6)
+        writer.close()
+    assert stored_hashes(items) == [a.event_hash for a in ann]
+    assert any(isinstance(x, Notice) and x.kind == "gap" for x in items)
+    assert [d.replayed for d in items if isinstance(d, Delivery)][:3] == [True, True, True]
+    sub.close()
+
+
+def test_snapshot_streams_the_inventory_with_its_seq(runner_factory):
+    info = runner_factory().start()
+    with ControlClient(info["endpoints"]["control"]) as client:
+        writer = AttachedWriter(client)
+        keys, ann, data = pages_for(10)
+        writer.put("kv", keys, data, ann)
+        seq, events = client.snapshot()
+        writer.close()
+    assert seq >= 1
+    assert [h for e in events for h in e.block_hashes] == [a.event_hash for a in ann]
+    assert all(isinstance(e, BlockStored) and e.parent_block_hash in (None, ann[0].event_hash) or True
+               for e in events)
+
+
+def test_pages_read_back_exactly_and_a_missing_page_cuts_the_prefix(runner_factory):
+    info = runner_factory().start()
+    with ControlClient(info["endpoints"]["control"]) as client:
+        writer = AttachedWriter(client)
+        keys, ann, data = pages_for(8, seed=3)
+        writer.put("kv", keys[:5], data[:5], ann[:5])
+        assert writer.get("kv", keys) == data[:5]
+        assert client.request(m.Lookup(pool="kv", keys=keys)).num_ready == 5
+        assert client.request(m.Remove(pool="kv", keys=keys[2:3])).num_removed == 1
+        assert writer.get("kv", keys) == data[:2]
+        writer.close()
+
+
+def test_sigterm_announces_every_removal_and_restart_clears_first_with_a_higher_seq(runner_factory):
+    proc = runner_factory()
+    info = proc.start()
+    sub = subscribe(info)
+    import time
+    time.sleep(0.5)
+    keys, ann, data = pages_for(5)
+    with ControlClient(info["endpoints"]["control"]) as client:
+        writer = AttachedWriter(client)
+        writer.put("kv", keys, data, ann)
+        writer.close()
+    collect(sub, lambda it: len(stored_hashes(it)) >= 5)
+    assert proc.stop(signal.SIGTERM) == 0
+    items = collect(sub, lambda it: any(isinstance(d, Delivery) and any(isinstance(e, BlockRemoved)
+                                                                         for e in d.batch.events) for d in it))
+    removed = [h for d in items if isinstance(d, Delivery) for e in d.batch.events if isinstance(e, BlockRemoved)
+               for h in e.block_hashes]
+    assert sorted(removed) == sorted(a.event_hash for a in ann)
+    last_seq = max(d.seq for d in items if isinstance(d, Delivery))
+    sub.close()
+
+    info2 = proc.start()  # same state_dir, new incarnation
+    assert info2["incarnation"] != info["incarnation"]
+    with ControlClient(info2["endpoints"]["control"]) as client:
+        seq, events = client.snapshot()
+    assert seq > last_seq and events == []
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    replay.connect(info2["endpoints"]["replay"])
+    replay.send_multipart([b"", (0).to_bytes(8, "big")])
+    first = replay.recv_multipart()
+    replay.close()
+    assert int.from_bytes(first[2], "big") > last_seq
+    assert msgpack.unpackb(first[3])[1][0] == {"type": "AllBlocksCleared"}
+    assert AllBlocksCleared().to_wire() == {"type": "AllBlocksCleared"}
+
+
+def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(runner_factory):
+    info = runner_factory().start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(info["endpoints"]["control"])
+    rng = random.Random(7)
+    bad = [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"type": "claim", "keys": 3}),
+           msgpack.packb({"type": "lookup", "keys": ["zz"]}), msgpack.packb({"type": "reserve", "pool": "nope"}),
+           msgpack.packb({"type": "release", "claim_id": 999}), msgpack.packb({"type": "lookup", "version": [9, 0]}),
+           msgpack.packb({"type": "granted"}), msgpack.packb({"type": "no-such"})]
+    frames = bad + [rng.randbytes(rng.randrange(1, 64)) for _ in range(300)]
+    for frame in frames:
+        sock.send_multipart([b"", frame])
+    replies = [msgpack.unpackb(sock.recv_multipart()[-1]) for _ in frames]
+    sock.close()
+    assert all(r["type"] == "error" and r["message"] for r in replies)
+    codes = {r["code"] for r in replies[:len(bad)]}
+    assert {"bad_request", "unknown_type", "version", "claim", "UnknownPool", "KeyFormatError"} <= codes
+    with ControlClient(info["endpoints"]["control"]) as client:
+        assert client.request(m.Lookup(pool="kv", keys=["a" * 64])).num_ready == 0
+        with pytest.raises(ControlError, match="unknown pool 'nope'"):
+            client.request(m.Lookup(pool="nope", keys=[]))
+    metrics = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
+    rejected = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvcr_control_rejected_total")]
+    assert rejected == [len(frames) + 1]
+
+
+def test_an_exhausted_pool_with_every_page_claimed_is_a_clear_error(runner_factory):
+    info = runner_factory(**{"dram.size": "1Mi", "dram.max_claim_fraction": 1.0,
+                             "dram.pools": [{"name": "kv", "page_bytes": "256Ki"}]}).start()
+    with ControlClient(info["endpoints"]["control"]) as client:
+        writer = AttachedWriter(client)
+        keys, ann, data = pages_for(5, page_bytes=256 * 1024)
+        writer.put("kv", keys[:4], data[:4], ann[:4])
+        grant = client.request(m.ClaimRequest(pool="kv", keys=keys[:4]))
+        with pytest.raises(ControlError, match="pool 'kv' is full: 1 pages needed, 0 free, 4 claimed"):
+            writer.put("kv", keys[4:], data[4:], ann[4:])
+        client.request(m.ReleaseRequest(claim_id=grant.claim_id))
+        assert writer.get("kv", keys[:4]) == data[:4]  # nothing already stored was lost
+        writer.close()
+
+
+@pytest.mark.parametrize("override,problem", [
+    ("dram.size=100Ti", "dram.size = 109951162777600 bytes does not fit in /dev/shm"),
+    ("dram.colour=1", "unknown key dram.colour"),
+    ("runner.block_size=\"x\"", "runner.block_size = 'x' must be an integer"),
+    ("events.endpoint=5557", "events.endpoint"),
+    ("namespace.tp_rank=4", "namespace.tp_rank 4 is outside tp_size 1"),
+])
+def test_bad_config_stops_serve_with_a_message_naming_the_key(override, problem, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvcr.cli", "serve", "--set", override], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert problem in out.stderr
+
+
+def test_lock_memory_beyond_the_memlock_limit_names_both_keys(tmp_path):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cmd = [sys.executable, "-m", "kvcr.cli", "serve", "--set", "dram.size=64Mi", "--set", "dram.lock_memory=true"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, hard)))
+    assert out.returncode == 2
+    assert "exceeds the memlock limit" in out.stderr and "dram.lock_memory" in out.stderr
