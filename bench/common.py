@@ -1,0 +1,63 @@
+"""Shared benchmark helpers: alternating repeats, medians with min-max, and docs/benchmarks.md sections."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        return cls(statistics.median(values), min(values), max(values))
+
+    def fmt(self, scale: float = 1.0, digits: int = 2) -> str:
+        return f"{self.median * scale:.{digits}f} ({self.low * scale:.{digits}f}–{self.high * scale:.{digits}f})"
+
+
+def alternate(baseline: Callable[[], float], candidate: Callable[[], float], repeats: int,
+              progress: str = "") -> tuple[list[float], list[float]]:
+    """Run baseline and candidate alternately `repeats` times each; each returns seconds."""
+    base, cand = [], []
+    for i in range(repeats):
+        base.append(baseline())
+        cand.append(candidate())
+        if progress:
+            print(f"\r  {progress}: repeat {i + 1}/{repeats}", end="", flush=True)
+    if progress:
+        print()
+    return base, cand
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine_line() -> str:
+    import os
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace (or append) the section between markers for `name` in docs/benchmarks.md."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure is measured, never asserted in tests.\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
