@@ -20,6 +20,7 @@ from .proto.announce import Announce
 from .proto.claims import Claim, ClaimTable, Fill, Release
 from .proto.events import AllBlocksCleared, Event
 from .proto.keys import Namespace, storage_key
+from .proto.relay import RelayStep
 from .proto.pool import PagePool, PageSizeError, PoolError, coalesce_stored
 
 
@@ -215,6 +216,15 @@ class Runner:
         for pool in self.pools.values():
             events.extend(coalesce_stored(pool.ready_pages(), pool.block_size, pool.medium))
         return events
+
+    def relay(self, step: RelayStep) -> None:
+        """Publish relayed engine events; a resync first clears and re-announces our own pages."""
+        with self.lock:
+            self._flush_events()
+            if step.resync:
+                self._publish([AllBlocksCleared(), *self.inventory(), *step.events])
+            elif step.events:
+                self._publish(step.events)
 
     def announce_start(self) -> None:
         """First batch of an incarnation: clear what routers believe, then re-announce what we hold."""

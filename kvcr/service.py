@@ -12,6 +12,7 @@ from . import __version__
 from .config import Config
 from .drivers.http import HttpServer
 from .drivers.zmq_control import ControlServer
+from .drivers.zmq_relay import EngineRelay
 from .drivers.zmq_events import EventPublisher, SeqSource
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -32,6 +33,8 @@ class Service:
         self.runner = Runner(cfg, publish=self.publisher.publish)
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot)
+        self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
+                                 replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
                                info=self.info)
         self.stopped = threading.Event()
@@ -39,6 +42,8 @@ class Service:
     def start(self) -> "Service":
         self.publisher.start()
         self.runner.announce_start()
+        if self.relay is not None:
+            self.relay.start()
         self.control.start()
         self.http.start()
         log.info("kvcr runner %s up: events %s, control %s, http %s", self.cfg.runner.name,
@@ -58,6 +63,7 @@ class Service:
                 "endpoints": {"events": self.publisher.bound_endpoint,
                               "replay": self.publisher.bound_replay_endpoint,
                               "control": self.control.bound_endpoint, "http": self.http.url},
+                "relays_engine": self.relay is not None,
                 "topic": self.cfg.events.topic, **self.runner.info()}
 
     def stop(self) -> None:
@@ -65,6 +71,8 @@ class Service:
             return
         self.stopped.set()
         self.control.stop()
+        if self.relay is not None:
+            self.relay.stop()
         self.http.stop()
         self.runner.shutdown()  # publishes the removals before the publisher drains and closes
         self.publisher.stop()

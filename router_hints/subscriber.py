@@ -132,11 +132,12 @@ class Subscriber:
                 got.append((int.from_bytes(frames[2], "big"), frames[1:]))
         finally:
             sock.close()
+        got.sort()
         if not got or got[0][0] > start:
-            yield from self._unrepaired(pub, start, stop, "replay buffer no longer holds the gap")
-            pub.tracker.advance(stop - 1)
-            return
-        for seq, frames in sorted(got):
+            # Deliver what replay still holds (as Dynamo does); the rest needs a snapshot.
+            yield from self._unrepaired(pub, start, got[0][0] if got else stop, "replay buffer no longer holds it")
+            pub.tracker.advance((got[0][0] if got else stop) - 1)
+        for seq, frames in got:
             if seq <= (pub.tracker.last if pub.tracker.last is not None else -1):
                 continue
             pub.tracker.advance(seq)

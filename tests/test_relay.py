@@ -1,0 +1,186 @@
+"""Relaying the engine's event stream: one stream per worker that survives either side restarting."""
+
+import signal
+import time
+
+import pytest
+import zmq
+
+from kvcr.client import AttachedWriter, ControlClient
+from kvcr.drivers.zmq_events import EventPublisher, SeqSource
+from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvcr.proto.relay import EngineMirror
+from router_hints.subscriber import Delivery, Subscriber
+from tests.conftest import wait_until
+from tests.test_service import BLOCK, pages_for
+
+
+def gpu_stored(hashes, parent=None, block_size=BLOCK, medium="GPU"):
+    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent,
+                       token_ids=tuple(range(block_size * len(hashes))), block_size=block_size, medium=medium)
+
+
+def batch(*events):
+    return EventBatch(ts=0.0, events=events, dp_rank=0)
+
+
+# --- the pure mirror -------------------------------------------------------------------------------
+
+def test_in_order_batches_are_forwarded_and_mirrored():
+    mirror = EngineMirror(block_size=BLOCK)
+    step = mirror.on_batch(0, batch(gpu_stored([1, 2])))
+    assert not step.resync and step.events == (gpu_stored([1, 2]),)
+    mirror.on_batch(1, batch(BlockRemoved(block_hashes=(2,), medium="GPU")))
+    assert [e.block_hashes for e in mirror.inventory()] == [(1,)]
+
+
+def test_an_engine_restart_resyncs_and_forgets_engine_blocks():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    mirror.on_batch(1, batch(gpu_stored([2], parent=1)))
+    step = mirror.on_batch(0, batch(gpu_stored([9])))
+    assert step.resync and step.problem == "engine restarted" and step.events == (gpu_stored([9]),)
+    assert [e.block_hashes for e in mirror.inventory()] == [(9,)]
+
+
+def test_an_engine_clear_becomes_a_resync_and_drops_what_came_before_it():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    step = mirror.on_batch(1, batch(gpu_stored([2]), AllBlocksCleared(), gpu_stored([3])))
+    assert step.resync and step.events == (gpu_stored([3]),)
+    assert [e.block_hashes for e in mirror.inventory()] == [(3,)]
+
+
+def test_a_gap_asks_for_replay_and_a_replay_that_misses_it_resyncs():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    assert mirror.on_batch(5, batch(gpu_stored([6]))).replay_from == 1
+    steps = mirror.on_replayed([(3, batch(gpu_stored([4]))), (4, batch(gpu_stored([5])))], gap_start=1)
+    assert steps[0].resync and "could not fill" in steps[0].problem
+    assert mirror.on_batch(5, batch(gpu_stored([6]))).events == (gpu_stored([6]),)
+    assert [e.block_hashes[0] for e in mirror.inventory()] == [4, 5, 6]
+
+
+def test_a_filled_gap_forwards_the_missing_batches_in_order():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    steps = mirror.on_replayed([(1, batch(gpu_stored([2]))), (2, batch(gpu_stored([3])))], gap_start=1)
+    assert [s.events[0].block_hashes for s in steps] == [(2,), (3,)] and not any(s.resync for s in steps)
+    assert mirror.on_batch(2, batch(gpu_stored([3]))).events == ()
+
+
+def test_a_block_size_mismatch_is_refused_by_name():
+    mirror = EngineMirror(block_size=BLOCK)
+    step = mirror.on_batch(0, batch(gpu_stored([1], block_size=32)))
+    assert step.events == () and "engine block_size 32 != runner.block_size 16" in step.problem
+
+
+@pytest.mark.parametrize("first_seq,complete", [(0, True), (3, False), (None, True)])
+def test_rebuild_is_trusted_only_from_seq_zero(first_seq, complete):
+    mirror = EngineMirror(block_size=BLOCK)
+    replayed = [] if first_seq is None else [(first_seq, batch(gpu_stored([1])))]
+    assert mirror.rebuild(replayed) is complete
+    assert len(mirror.inventory()) == (1 if complete and replayed else 0)
+
+
+def test_repeated_stores_are_reference_counted():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    mirror.on_batch(1, batch(gpu_stored([1])))
+    mirror.on_batch(2, batch(BlockRemoved(block_hashes=(1,), medium="GPU")))
+    assert len(mirror.inventory()) == 1
+
+
+# --- a runner relaying a live engine stream ------------------------------------------------------------
+
+class FakeEngine:
+    """An engine-format publisher (seq from 0, replay buffer), standing in for SGLang/vLLM."""
+
+    def __init__(self, endpoint="tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0"):
+        self.ctx = zmq.Context()
+        self.pub = EventPublisher(self.ctx, endpoint=endpoint, replay_endpoint=replay,
+                                  seq=SeqSource(now_us=0), heartbeat_s=0)
+        self.pub.start()
+
+    def send(self, *events):
+        return self.pub.publish(events)
+
+    def close(self):
+        self.pub.stop()
+        self.ctx.term()
+
+
+def deliveries(sub, until, timeout_s=10.0):
+    got = []
+    wait_until(lambda: (got.extend(x for x in sub.poll(100) if isinstance(x, Delivery)), until(got))[1],
+               timeout_s, message="relayed events")
+    return got
+
+
+def events_of(items):
+    return [e for d in items for e in d.batch.events]
+
+
+def test_runner_merges_engine_and_own_events_into_one_stream(runner_factory):
+    engine = FakeEngine()
+    try:
+        proc = runner_factory(**{"events.engine_endpoint": engine.pub.bound_endpoint,
+                                 "events.engine_replay_endpoint": engine.pub.bound_replay_endpoint,
+                                 "dram.pools": [{"name": "kv", "page_bytes": 4096}]})
+        info = proc.start()
+        sub = Subscriber()
+        sub.add("r", info["endpoints"]["events"], info["endpoints"]["replay"])
+        time.sleep(1.0)
+        keys, ann, data = pages_for(2, page_bytes=4096)
+        engine.send(gpu_stored([ann[0].event_hash]))
+        time.sleep(0.3)
+        with ControlClient(info["endpoints"]["control"]) as client:
+            writer = AttachedWriter(client)
+            writer.put("kv", keys, data, ann)
+            writer.close()
+        got = deliveries(sub, lambda g: sum(isinstance(e, BlockStored) for e in events_of(g)) >= 2)
+        media = [e.medium for e in events_of(got) if isinstance(e, BlockStored)]
+        assert media == ["GPU", "CPU_PINNED"]
+        seqs = [d.seq for d in got]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+        # The engine restarts (seq from 0 again): its GPU block is gone, our DRAM pages are re-announced.
+        engine.close()
+        engine = FakeEngine(endpoint=engine.pub.bound_endpoint, replay=engine.pub.bound_replay_endpoint)
+        time.sleep(0.5)
+        engine.send(gpu_stored([777]))
+        got = deliveries(sub, lambda g: any(isinstance(e, AllBlocksCleared) for e in events_of(g))
+                         and any(isinstance(e, BlockStored) and e.medium == "GPU" for e in events_of(g)))
+        after = events_of(got)
+        clear_at = next(i for i, e in enumerate(after) if isinstance(e, AllBlocksCleared))
+        rest = after[clear_at + 1:]
+        assert [e.medium for e in rest if isinstance(e, BlockStored)] == ["CPU_PINNED", "GPU"]
+        assert [h for e in rest if isinstance(e, BlockStored) for h in e.block_hashes] == \
+            [a.event_hash for a in ann] + [777]
+        sub.close()
+    finally:
+        engine.close()
+
+
+def test_a_restarted_runner_rebuilds_the_engine_view_from_replay(runner_factory):
+    engine = FakeEngine()
+    try:
+        proc = runner_factory(**{"events.engine_endpoint": engine.pub.bound_endpoint,
+                                 "events.engine_replay_endpoint": engine.pub.bound_replay_endpoint})
+        proc.start()
+        engine.send(gpu_stored([10, 11]))
+        engine.send(BlockRemoved(block_hashes=(11,), medium="GPU"))
+        engine.send(gpu_stored([12], parent=10))
+        time.sleep(0.5)
+        proc.stop(signal.SIGKILL)
+        info = proc.start()
+        sub = Subscriber()
+        sub.add("r", info["endpoints"]["events"], info["endpoints"]["replay"])
+        sub.start_after("r", 0)
+        got = deliveries(sub, lambda g: sum(isinstance(e, BlockStored) for e in events_of(g)) >= 2)
+        stored = [e for e in events_of(got) if isinstance(e, BlockStored)]
+        assert isinstance(events_of(got)[0], AllBlocksCleared)
+        assert [(e.block_hashes, e.parent_block_hash) for e in stored] == [((10,), None), ((12,), 10)]
+        sub.close()
+    finally:
+        engine.close()
