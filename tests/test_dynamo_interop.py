@@ -102,6 +102,8 @@ def test_indexer_counts_stored_then_removed_dram_pages(indexer, runner_factory):
         writer = AttachedWriter(client)
         writer.put("kv", keys, data, ann)
         reg.wait_for(tokens, cpu=12 * BLOCK)
+        client.request(m.Remove(pool="kv", keys=keys[9:]))  # k = 3 from the tail: (N - k) x block_size
+        reg.wait_for(tokens, cpu=9 * BLOCK)
         # Removing a page in the middle cuts the prefix there: 5 pages remain matchable.
         client.request(m.Remove(pool="kv", keys=keys[5:8]))
         reg.wait_for(tokens, cpu=5 * BLOCK)

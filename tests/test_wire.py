@@ -143,3 +143,38 @@ def test_move_mode_only_where_allowed_and_legacy_flat_form():
     with pytest.raises(hints.HintError, match="source-less"):
         hints.parse_envelope({"protocol_version": "0.1", "actions": [
             {"action_type": "kv.fetch", "action_version": "1.0", "payload": {"block_hashes": [1]}}]})
+
+
+def test_publisher_overflow_drops_a_batch_but_leaves_a_visible_gap():
+    import zmq
+    from kvcr.drivers.zmq_events import EventPublisher, SeqSource
+    from kvcr.proto.stream import StreamTracker, Verdict
+
+    ctx = zmq.Context()
+    pub = EventPublisher(ctx, endpoint="inproc://ovf", replay_endpoint="inproc://ovf-replay", queue_size=2,
+                         seq=SeqSource(now_us=100), heartbeat_s=0)
+    seqs = [pub.publish([ev.AllBlocksCleared()]) for _ in range(4)]  # not started: nothing drains
+    assert seqs == [100, 101, 102, 103] and pub.num_dropped == 2
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    pub.start()
+    sub.connect("inproc://ovf")
+    import time
+    time.sleep(0.2)
+    pub.publish([ev.AllBlocksCleared()])
+    assert sub.poll(2000)
+    seq = ev.decode_seq(sub.recv_multipart()[1])
+    tracker = StreamTracker(last=101)
+    assert tracker.classify(seq)[0] is Verdict.GAP  # 102 and 103 never went out
+    pub.stop()
+    sub.close()
+    ctx.term()
+
+
+def test_seq_source_rises_across_restarts_even_if_the_clock_goes_back(tmp_path):
+    from kvcr.drivers.zmq_events import SEQ_RESERVATION, SeqSource
+
+    first = SeqSource(str(tmp_path), now_us=5_000)
+    taken = [first.take() for _ in range(3)]
+    second = SeqSource(str(tmp_path), now_us=10)  # the clock went back
+    assert second.take() > taken[-1] and second.next <= 5_000 + SEQ_RESERVATION + 1

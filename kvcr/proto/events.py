@@ -37,7 +37,11 @@ def _require_hash(name: str, value: Any) -> int:
 def _require_hashes(name: str, values: Any) -> tuple[int, ...]:
     if not isinstance(values, (list, tuple)) or not values:
         raise EventError(f"{name} must be a non-empty list of integers, got {values!r}")
-    return tuple(_require_hash(name, v) for v in values)
+    # Fast path for the common case (plain ints in range); the slow path names the bad entry.
+    if not (all(type(v) is int for v in values) and _I64_MIN <= min(values) and max(values) <= U64_MASK):
+        for v in values:
+            _require_hash(name, v)
+    return tuple(values)
 
 
 def _require_medium(value: Any) -> str | None:

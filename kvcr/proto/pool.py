@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from itertools import chain
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -293,7 +294,8 @@ def coalesce_stored(pages: Sequence[Page], block_size: int, medium: str) -> list
     def flush() -> None:
         if run:
             out.append(BlockStored(block_hashes=tuple(a.event_hash for a in run), parent_block_hash=run[0].parent_hash,
-                                   token_ids=tuple(t for a in run for t in a.token_ids), block_size=block_size,
+                                   token_ids=tuple(chain.from_iterable(a.token_ids for a in run)),
+                                   block_size=block_size,
                                    medium=medium, lora_name=run[0].lora_name, cache_salt=run[0].cache_salt))
             run.clear()
             seen.clear()
