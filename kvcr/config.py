@@ -140,6 +140,21 @@ class EventsConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NvmeConfig:
+    storage_dir: str = ""          # empty: no NVMe tier
+    max_size: Size = Size(0)       # 0: bounded only by min_free_space
+    min_free_space: Size = Size(0)
+    high_watermark: float = 1.0
+    low_watermark: float = 0.9
+    read_workers: int = 4
+    write_workers: int = 2
+    fsync: bool = False
+    spill: bool = True             # DRAM eviction writes pages to NVMe first
+    promote: bool = True           # an NVMe hit is copied into DRAM before it is served
+    stale_temp_age_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunnerConfig:
     name: str = "kvcr"
     dp_rank: int = 0
@@ -157,6 +172,7 @@ class Config:
     namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -219,6 +235,13 @@ def _validate(cfg: Config) -> None:
                  "endpoint (tcp://HOST:PORT, ipc://PATH)")
     for p in d.pools:
         cfg.namespace_for(p)
+    n = cfg.nvme
+    _require(0 < n.low_watermark <= n.high_watermark <= 1,
+             f"nvme.low_watermark = {n.low_watermark} / nvme.high_watermark = {n.high_watermark}: "
+             "need 0 < low <= high <= 1")
+    _require(n.read_workers >= 1, f"nvme.read_workers = {n.read_workers} must be >= 1")
+    _require(n.write_workers >= 1, f"nvme.write_workers = {n.write_workers} must be >= 1")
+    _require(n.stale_temp_age_s >= 0, f"nvme.stale_temp_age_s = {n.stale_temp_age_s} must be >= 0")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 
 
 class RunnerCollector:
@@ -31,7 +32,15 @@ class RunnerCollector:
             nbytes.add_metric([s.name, "dram"], s.num_ready * s.page_bytes)
             capacity.add_metric([s.name, "dram"], s.capacity)
             evictions.add_metric([s.name, "dram"], evicted[s.name])
+        for name, disk in runner.disks.items():
+            with runner.lock:
+                d = disk.index.statistics()
+            pages.add_metric([name, "nvme", "ready"], d.num_pages)
+            pages.add_metric([name, "nvme", "writing"], d.num_writing)
+            nbytes.add_metric([name, "nvme"], d.num_bytes)
+            evictions.add_metric([name, "nvme"], d.num_evicted)
         yield from (pages, nbytes, capacity, evictions)
+        yield from self._nvme(runner)
         yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=hits)
         yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=misses)
         yield GaugeMetricFamily("kvcr_claims_held", "Claims currently pinning pages", value=claim_stats.num_claims)
@@ -46,9 +55,52 @@ class RunnerCollector:
                                   value=pub.num_dropped)
         yield CounterMetricFamily("kvcr_replay_requests", "Replay requests served", value=pub.num_replay_requests)
         yield GaugeMetricFamily("kvcr_event_seq", "Last event seq assigned", value=pub.last_seq)
+        relay = svc.relay
+        if relay is not None:
+            yield CounterMetricFamily("kvcr_engine_batches_relayed", "Engine batches republished",
+                                      value=relay.num_relayed)
+            yield CounterMetricFamily("kvcr_engine_problems", "Engine restarts, unrepaired gaps, wrong block sizes",
+                                      value=relay.num_problems)
+            yield CounterMetricFamily("kvcr_engine_malformed", "Malformed engine frames dropped",
+                                      value=relay.num_malformed)
+            yield GaugeMetricFamily("kvcr_engine_blocks", "Blocks the engine has announced (mirror)",
+                                    value=len(relay.mirror.blocks))
         yield CounterMetricFamily("kvcr_control_requests", "Control requests received", value=ctl.num_requests)
         yield CounterMetricFamily("kvcr_control_rejected", "Control requests refused with an error",
                                   value=ctl.num_rejected)
+
+
+    @staticmethod
+    def _nvme(runner) -> Iterator[Metric]:
+        if not runner.disks:
+            return
+        corrupt = CounterMetricFamily("kvcr_nvme_corrupt", "Truncated or corrupt page files removed", labels=["pool"])
+        unverified = GaugeMetricFamily("kvcr_nvme_unverified_pages",
+                                       "Pages adopted without a digest (written by HiCacheFile)", labels=["pool"])
+        foreign = GaugeMetricFamily("kvcr_nvme_foreign_files", "Files in the namespace directory that are not pages",
+                                    labels=["pool"])
+        errors = CounterMetricFamily("kvcr_nvme_errors", "Failed file operations by errno", labels=["pool", "errno"])
+        latency = {op: HistogramMetricFamily(f"kvcr_nvme_{op}_seconds", f"Page {op} latency", labels=["pool"])
+                   for op in ("read", "write")}
+        for name, disk in runner.disks.items():
+            with runner.lock:
+                d = disk.index.statistics()
+            corrupt.add_metric([name], d.num_corrupt)
+            unverified.add_metric([name], d.num_unverified)
+            foreign.add_metric([name], disk.num_foreign)
+            for code, n in sorted(disk.errors.items()):
+                errors.add_metric([name, code], n)
+            for op, hist in (("read", disk.read_latency), ("write", disk.write_latency)):
+                cumulative, buckets = 0, []
+                for bound, count in zip((*map(str, hist.bounds), "+Inf"), hist.counts):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                latency[op].add_metric([name], buckets, hist.total)
+        yield from (corrupt, unverified, foreign, errors, *latency.values())
+        yield CounterMetricFamily("kvcr_spilled_pages", "DRAM pages written to NVMe on eviction",
+                                  value=runner.num_spilled)
+        yield CounterMetricFamily("kvcr_promoted_pages", "NVMe pages copied into DRAM to be served",
+                                  value=runner.num_promoted)
 
 
 def make_registry(service) -> CollectorRegistry:

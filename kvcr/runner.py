@@ -11,8 +11,9 @@ import os
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .config import Config
 from .drivers.shm import Region, region_name
@@ -21,7 +22,9 @@ from .proto.claims import Claim, ClaimTable, Fill, Release
 from .proto.events import AllBlocksCleared, Event
 from .proto.keys import Namespace, storage_key
 from .proto.relay import RelayStep
-from .proto.pool import PagePool, PageSizeError, PoolError, coalesce_stored
+from .drivers.nvme import DiskTier
+from .proto.disk_index import DiskIndex
+from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_stored
 
 
 class UnknownPool(PoolError):
@@ -76,14 +79,31 @@ class Runner:
         name = region_name(cfg.runner.name, os.getpid(), self.incarnation[:8])
         self.region = Region.create(name, total, lock_memory=cfg.dram.lock_memory)
         self.view = self.region.view
+        # With spilling on, DRAM watermarks are enforced by spill() (which writes pages to NVMe
+        # first); the pool itself then only evicts when a fill finds no free slot.
+        self.spilling = bool(cfg.nvme.storage_dir) and cfg.nvme.spill
+        wm = (1.0, 1.0) if self.spilling else (cfg.dram.high_watermark, cfg.dram.low_watermark)
         self.pools = {p.name: PagePool(p.name, page_bytes=p.page_bytes, num_slots=p.num_slots,
-                                       block_size=cfg.runner.block_size, high_watermark=cfg.dram.high_watermark,
-                                       low_watermark=cfg.dram.low_watermark) for p in self.layouts.values()}
+                                       block_size=cfg.runner.block_size, high_watermark=wm[0],
+                                       low_watermark=wm[1]) for p in self.layouts.values()}
         self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction)
         self.lock = threading.RLock()
+        self.disks: dict[str, DiskTier] = {}
+        if cfg.nvme.storage_dir:
+            self.disks = {p.name: self._disk_tier(p) for p in self.layouts.values()}
+        self.num_spilled = 0
+        self.num_promoted = 0
         self._publish = publish or (lambda events: 0)
         self.hits = 0
         self.misses = 0
+
+    def _disk_tier(self, layout: PoolLayout) -> DiskTier:
+        n = self.cfg.nvme
+        index = DiskIndex(block_size=self.cfg.runner.block_size, max_bytes=n.max_size,
+                          high_watermark=n.high_watermark, low_watermark=n.low_watermark)
+        return DiskTier(n.storage_dir, layout.namespace, page_bytes=layout.page_bytes, index=index, lock=self.lock,
+                        flush=self._flush_locked, read_workers=n.read_workers, write_workers=n.write_workers,
+                        fsync=n.fsync, min_free_space=n.min_free_space, stale_temp_age_s=n.stale_temp_age_s)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -104,8 +124,19 @@ class Runner:
         events: list[Event] = []
         for pool in self.pools.values():
             events.extend(pool.take_events())
+        for disk in self.disks.values():
+            events.extend(disk.index.take_events())
         if events:
             self._publish(events)
+
+    def _flush_locked(self) -> None:
+        with self.lock:
+            self._flush_events()
+
+    def slot_view(self, pool: str, page: Page) -> memoryview:
+        layout = self.layouts[pool]
+        start = layout.offset + page.slot * layout.stride
+        return self.view[start:start + layout.page_bytes]
 
     # --- fills -------------------------------------------------------------------------------
 
@@ -139,11 +170,11 @@ class Runner:
         fill = self.reserve(pool, keys, announces, lease_s=math.inf)
         ok = True
         try:
-            view, stride, base = self.view, layout.stride, layout.offset
+            view, stride, base, size = self.view, layout.stride, layout.offset, layout.page_bytes
             for page, data in zip(fill.pages, pages):
-                if page is not None:
+                if page is not None:  # inlined slot_view: this loop is the put hot path
                     start = base + page.slot * stride
-                    view[start:start + layout.page_bytes] = data
+                    view[start:start + size] = data
         except BaseException:
             ok = False
             raise
@@ -158,13 +189,14 @@ class Runner:
             return self.pool(pool).leading_ready(keys)
 
     def claim(self, pool: str, keys: Sequence[str], *, owner: str = "local", lease_s: float | None = None) -> Claim:
+        """Pin the leading present pages; NVMe pages right after the DRAM run are promoted first."""
+        self._maybe_promote(pool, keys)
         with self.lock:
             p = self.pool(pool)
             claim = self.claims.claim(p, keys, owner=owner, lease_s=lease_s or self.cfg.runner.lease_seconds,
                                       now=self.clock())
             self.hits += len(claim.pages)
             self.misses += len(keys) - len(claim.pages)
-            p.touch(keys[:len(claim.pages)])
             return claim
 
     def renew(self, claim_id: int, *, owner: str = "local") -> float:
@@ -177,45 +209,139 @@ class Runner:
             self._flush_events()
             return result
 
+    def _maybe_promote(self, pool: str, keys: Sequence[str]) -> None:
+        if pool in self.disks and self.cfg.nvme.promote:
+            with self.lock:
+                in_dram = self.pool(pool).leading_ready(keys)
+            if in_dram < len(keys):
+                self.promote(pool, keys[in_dram:])
+
+    def promote(self, pool: str, keys: Sequence[str]) -> int:
+        """Copy the leading run of `keys` found on NVMe into DRAM. Returns pages promoted."""
+        disk = self.disks[pool]
+        hexes = [k[:64] for k in keys]
+        n = disk.present(hexes)
+        if not n:
+            return 0
+        with self.lock:
+            announces = [e.announce if e is not None else None
+                         for e in (disk.index.get(disk.name(h)) for h in hexes[:n])]
+        try:
+            fill = self.reserve(pool, keys[:n], announces, lease_s=math.inf)
+        except PoolError:
+            return 0  # no room even after eviction: serve what DRAM has
+        ok = [True] * n
+        todo = [(i, p) for i, p in enumerate(fill.pages) if p is not None]
+        try:
+            got = disk.read_into([hexes[i] for i, _ in todo], [self.slot_view(pool, p) for _, p in todo])
+            for j, (i, _) in enumerate(todo):
+                ok[i] = j < got
+        except BaseException:
+            ok = [False] * n
+            raise
+        finally:
+            committed = self.commit(fill.fill_id, ok)
+        with self.lock:
+            self.num_promoted += committed
+        return next((i for i, good in enumerate(ok) if not good), n)
+
+    def spill(self, pool: str) -> int:
+        """Evict DRAM down to the low watermark, writing pages NVMe lacks to NVMe first."""
+        p, disk = self.pool(pool), self.disks.get(pool)
+        with self.lock:
+            used, high = p.num_used(), int(p.capacity * self.cfg.dram.high_watermark)
+            if used <= high:
+                return 0
+            keys = p.lru_keys(used - int(p.capacity * self.cfg.dram.low_watermark))
+            pages = p.pin_prefix(keys, len(keys))  # internal pin: not subject to the claim limit
+            todo = [pg for pg in pages if disk is not None and disk.name(pg.key[:64]) not in disk.index]
+        try:
+            if todo:
+                disk.write([pg.key[:64] for pg in todo], [self.slot_view(pool, pg) for pg in todo],
+                           [pg.announce for pg in todo])
+        finally:
+            with self.lock:
+                p.unpin(pages)
+                removed = p.remove([pg.key for pg in pages])
+                p.num_evicted += removed
+                self.num_spilled += len(todo)
+                self._flush_events()
+        return removed
+
+    def persist(self, pool: str, keys: Sequence[str]) -> int:
+        """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
+        disk = self.disks[pool]
+        with self.pinned(pool, keys) as pages:
+            results = disk.write([pg.key[:64] for pg in pages], [self.slot_view(pool, pg) for pg in pages],
+                                 [pg.announce for pg in pages])
+        return sum(results)
+
+    @contextmanager
+    def pinned(self, pool: str, keys: Sequence[str]) -> Iterator[list[Page]]:
+        """Pin the leading present pages (promoting from NVMe) for a local copy, then unpin.
+
+        A local copy is bounded by this call, so it takes no lease and no share of the claim limit.
+        """
+        self._maybe_promote(pool, keys)
+        with self.lock:
+            p = self.pool(pool)
+            pages = p.pin_prefix(keys, len(keys))
+            self.hits += len(pages)
+            self.misses += len(keys) - len(pages)
+        try:
+            yield pages
+        finally:
+            with self.lock:
+                p.unpin(pages)
+                self._flush_events()
+
     def get(self, pool: str, keys: Sequence[str]) -> list[bytes]:
         """Copies of the leading run of present pages (shorter than `keys` on a miss)."""
-        claim = self.claim(pool, keys)
-        layout = self.layouts[pool]
-        try:
-            return [bytes(self.view[layout.offset + p.slot * layout.stride:
-                                    layout.offset + p.slot * layout.stride + layout.page_bytes])
-                    for p in claim.pages]
-        finally:
-            if claim.pages:
-                self.release(claim.claim_id)
+        with self.pinned(pool, keys) as pages:
+            return [bytes(self.slot_view(pool, p)) for p in pages]
 
     def read_into(self, pool: str, keys: Sequence[str], buffers: Sequence[memoryview]) -> int:
         """Copy the leading present pages into caller buffers; returns how many were copied."""
-        claim = self.claim(pool, keys)
-        layout = self.layouts[pool]
-        try:
-            for page, buf in zip(claim.pages, buffers):
-                start = layout.offset + page.slot * layout.stride
-                buf[:layout.page_bytes] = self.view[start:start + layout.page_bytes]
-            return len(claim.pages)
-        finally:
-            if claim.pages:
-                self.release(claim.claim_id)
+        size = self.pool(pool).page_bytes
+        short = [i for i, buf in enumerate(buffers) if len(buf) < size]
+        if short:
+            raise PageSizeError(f"buffer {short[0]} holds {len(buffers[short[0]])} bytes; pool {pool!r} pages are "
+                                f"{size}")
+        with self.pinned(pool, keys[:len(buffers)]) as pages:
+            for page, buf in zip(pages, buffers):
+                buf[:size] = self.slot_view(pool, page)
+            return len(pages)
+
+    def housekeeping(self) -> None:
+        """Lease expiry, DRAM spill to NVMe and NVMe watermark eviction (one pass)."""
+        self.expire()
+        for name, disk in self.disks.items():
+            if self.spilling:
+                self.spill(name)
+            disk.evict_to_watermark()
 
     # --- inventory ---------------------------------------------------------------------------
 
     def remove(self, pool: str, keys: Sequence[str]) -> int:
+        """Drop pages from every tier. Returns pages removed from DRAM plus pages removed from NVMe."""
         with self.lock:
             n = self.pool(pool).remove(keys)
             self._flush_events()
-            return n
+        if pool in self.disks:
+            n += self.disks[pool].remove([k[:64] for k in keys])
+        return n
 
     def inventory(self) -> list[Event]:
         """The whole announced inventory as BlockStored events (call under the lock)."""
         events: list[Event] = []
         for pool in self.pools.values():
             events.extend(coalesce_stored(pool.ready_pages(), pool.block_size, pool.medium))
+        for disk in self.disks.values():
+            events.extend(disk.index.inventory())
         return events
+
+    def start_disk_scans(self) -> list[threading.Thread]:
+        return [disk.start_scan() for disk in self.disks.values()]
 
     def relay(self, step: RelayStep) -> None:
         """Publish relayed engine events; a resync first clears and re-announces our own pages."""
@@ -239,9 +365,13 @@ class Runner:
 
     def shutdown(self) -> None:
         """Announce the removal of everything held, then unmap and unlink the region."""
+        for disk in self.disks.values():
+            disk.close()
         with self.lock:
             for pool in self.pools.values():
                 pool.clear()
+            for disk in self.disks.values():
+                disk.index.clear()  # the files stay; a restarted runner re-announces them
             self._flush_events()
         self.view.release()
         self.region.close()

@@ -38,10 +38,20 @@ class Service:
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
                                info=self.info)
         self.stopped = threading.Event()
+        self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)
+
+    def _housekeeping(self) -> None:
+        while not self.stopped.wait(0.05):
+            try:
+                self.runner.housekeeping()
+            except Exception:  # a failed pass is logged and retried; it must not stop leases expiring
+                log.exception("housekeeping pass failed")
 
     def start(self) -> "Service":
         self.publisher.start()
         self.runner.announce_start()
+        self.runner.start_disk_scans()
+        self._housekeeper.start()
         if self.relay is not None:
             self.relay.start()
         self.control.start()
@@ -70,6 +80,7 @@ class Service:
         if self.stopped.is_set():
             return
         self.stopped.set()
+        self._housekeeper.join(5)
         self.control.stop()
         if self.relay is not None:
             self.relay.stop()

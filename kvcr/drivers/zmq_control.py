@@ -1,7 +1,7 @@
 """Control socket: a ROUTER that decodes requests, asks the runner, and replies.
 
 It makes no decisions of its own; every refusal comes from the runner or the protocol code
-and goes back as an Error naming the problem. The same thread expires leases on time.
+and goes back as an Error naming the problem.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ class ControlServer:
             while not self._stop.is_set():
                 if sock.poll(100):
                     self._serve_one(sock)
-                self.runner.expire()
         finally:
             sock.close()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from itertools import chain
+from itertools import chain, islice
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -106,6 +106,13 @@ class PagePool:
     def key_for_event_hash(self, event_hash: int) -> str | None:
         key = self._by_event_hash.get(event_hash)
         return key if key is not None and self.get(key) is not None else None
+
+    def lru_keys(self, n: int) -> list[str]:
+        """The `n` least recently used unclaimed READY keys (eviction candidates), oldest first."""
+        return list(islice(self._lru, n))
+
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
 
     def ready_pages(self) -> list[Page]:
         return [p for p in self._pages.values() if p.state is State.READY]
@@ -286,6 +293,10 @@ class PagePool:
 
 
 def coalesce_stored(pages: Sequence[Page], block_size: int, medium: str) -> list[BlockStored]:
+    return coalesce_announces([p.announce for p in pages if p.announce is not None], block_size, medium)
+
+
+def coalesce_announces(announces: Sequence[Announce], block_size: int, medium: str) -> list[BlockStored]:
     """One BlockStored per run of pages that continue each other's chain (as SGLang does)."""
     out: list[BlockStored] = []
     run: list[Announce] = []
@@ -295,15 +306,12 @@ def coalesce_stored(pages: Sequence[Page], block_size: int, medium: str) -> list
         if run:
             out.append(BlockStored(block_hashes=tuple(a.event_hash for a in run), parent_block_hash=run[0].parent_hash,
                                    token_ids=tuple(chain.from_iterable(a.token_ids for a in run)),
-                                   block_size=block_size,
-                                   medium=medium, lora_name=run[0].lora_name, cache_salt=run[0].cache_salt))
+                                   block_size=block_size, medium=medium, lora_name=run[0].lora_name,
+                                   cache_salt=run[0].cache_salt))
             run.clear()
             seen.clear()
 
-    for page in pages:
-        a = page.announce
-        if a is None:
-            continue
+    for a in announces:
         if run and not (a.parent_hash == run[-1].event_hash and a.lora_name == run[0].lora_name
                         and a.cache_salt == run[0].cache_salt and a.event_hash not in seen):
             flush()

@@ -1,0 +1,437 @@
+"""The NVMe tier's file I/O: one file per page, atomic publish, vectored reads and writes.
+
+Files use SGLang HiCacheFile's naming (`<page hash><suffix>.bin`, raw page bytes), so its
+reference backend and this tier read each other's pages. Beside them: `format.json` (on-disk
+format version and namespace) and `manifest.kvcr` (size, digest and announce of every page we
+wrote, as length-prefixed msgpack records). All bookkeeping decisions live in DiskIndex; this
+module performs them and reports back, under the owner's lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import msgpack
+import xxhash
+
+from ..proto.announce import Announce
+from ..proto.disk_index import DiskEntry, DiskIndex
+from ..proto.keys import Namespace
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+MANIFEST = "manifest.kvcr"
+FORMAT_FILE = "format.json"
+_RECORD = struct.Struct("<I")
+SCAN_BATCH = 1024
+
+
+class DiskError(RuntimeError):
+    pass
+
+
+def hicache_suffix(ns: Namespace) -> str:
+    """HiCacheFile's per-deployment file-name suffix (sglang 0.5.23)."""
+    model = "-".join(ns.model.split("/"))
+    shard = f"_{ns.pp_size}_{ns.pp_rank}" if ns.pp_size > 1 else ""
+    return f"_{model}{shard}" if ns.is_mla else f"_{model}_{ns.tp_rank}_{ns.tp_size}{shard}"
+
+
+def digest(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass
+class LatencyHistogram:
+    """Fixed buckets (seconds), filled by the I/O threads and read at scrape time."""
+
+    bounds: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+    counts: list[int] = field(default_factory=lambda: [0] * 10)
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(self.bounds) if seconds <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.total += seconds
+
+
+class DiskTier:
+    def __init__(self, root: str | Path, ns: Namespace, *, page_bytes: int, index: DiskIndex,
+                 lock: threading.RLock, flush: Callable[[], None], read_workers: int = 4,
+                 write_workers: int = 2, fsync: bool = False, min_free_space: int = 0,
+                 stale_temp_age_s: float = 600.0) -> None:
+        self.dir = Path(root) / f"ns-{ns.digest}"
+        self.namespace = ns
+        self.suffix = hicache_suffix(ns)
+        self.page_bytes = page_bytes
+        self.index = index
+        self.lock = lock
+        self.flush = flush
+        self.fsync = fsync
+        self.min_free_space = min_free_space
+        self.stale_temp_age_s = stale_temp_age_s
+        self.errors: Counter[str] = Counter()
+        self.num_foreign = 0
+        self.num_stale_temp_removed = 0
+        self.num_lost_races = 0
+        self.read_latency = LatencyHistogram()
+        self.write_latency = LatencyHistogram()
+        self.scan_done = threading.Event()
+        self._manifest_lock = threading.Lock()
+        self._prepare_dir()
+        self._readers = ThreadPoolExecutor(read_workers, thread_name_prefix="kvcr-nvme-read")
+        self._writers = ThreadPoolExecutor(write_workers, thread_name_prefix="kvcr-nvme-write")
+
+    # --- layout ------------------------------------------------------------------------------
+
+    def _prepare_dir(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fmt = self.dir / FORMAT_FILE
+            mine = {"format_version": FORMAT_VERSION, "namespace": self.namespace.fields(),
+                    "page_bytes": self.page_bytes, "file_suffix": self.suffix}
+            if fmt.exists():
+                theirs = json.loads(fmt.read_text())
+                if theirs.get("format_version") != FORMAT_VERSION:
+                    raise DiskError(f"{self.dir}: on-disk format version {theirs.get('format_version')} is not "
+                                    f"{FORMAT_VERSION}; use another nvme.storage_dir or migrate it")
+            else:
+                tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
+                tmp.write_text(json.dumps(mine, indent=1))
+                os.replace(tmp, fmt)
+        except OSError as exc:
+            raise DiskError(f"nvme.storage_dir: cannot use {self.dir}: {exc.strerror or exc}") from None
+
+    def name(self, page_hex: str) -> str:
+        return page_hex + self.suffix
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.bin"
+
+    # --- manifest ------------------------------------------------------------------------------
+
+    def _append_manifest(self, records: Iterable[list]) -> None:
+        blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
+        if not blob:
+            return
+        with self._manifest_lock:
+            fd = os.open(self.dir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # other processes may append to the same directory
+                os.write(fd, blob)
+            finally:
+                os.close(fd)
+
+    def read_manifest(self) -> dict[str, tuple[int, int | None, Announce | None]]:
+        out: dict[str, tuple[int, int | None, Announce | None]] = {}
+        try:
+            data = (self.dir / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            return out
+        pos = 0
+        while pos + 4 <= len(data):
+            (n,) = _RECORD.unpack_from(data, pos)
+            if pos + 4 + n > len(data):
+                break  # a torn final record (crash while appending)
+            try:
+                rec = msgpack.unpackb(data[pos + 4:pos + 4 + n])
+                if rec[0] == "put":
+                    out[rec[1]] = (rec[2], rec[3], Announce.from_wire(rec[4]) if rec[4] else None)
+                elif rec[0] == "del":
+                    out.pop(rec[1], None)
+            except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+                self.errors["manifest_record"] += 1
+            pos += 4 + n
+        return out
+
+    def compact_manifest(self) -> None:
+        with self.lock:
+            entries = self.index.entries()
+        records = [["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
+                   for e in entries if e.digest is not None]
+        blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
+        with self._manifest_lock:
+            fd = os.open(self.dir / MANIFEST, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
+                tmp.write_bytes(blob)
+                os.replace(tmp, self.dir / MANIFEST)
+            finally:
+                os.close(fd)
+
+    # --- writes ------------------------------------------------------------------------------------
+
+    def write(self, page_hexes: Sequence[str], views: Sequence[memoryview],
+              announces: Sequence[Announce | None] | None = None) -> list[bool]:
+        """Publish pages (parallel); True per page that is on disk afterwards."""
+        futures = [self._writers.submit(self._write_one, self.name(h), v, announces[i] if announces else None)
+                   for i, (h, v) in enumerate(zip(page_hexes, views))]
+        results = [f.result() for f in futures]
+        # Record and commit in chain order, in one step: parents are announced (and re-announced
+        # after a restart, in manifest order) before their children.
+        published = [r for r in results if isinstance(r, DiskEntry)]
+        self._append_manifest([["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
+                               for e in published])
+        with self.lock:
+            for result in results:
+                if isinstance(result, DiskEntry):
+                    self.index.commit(result.name, result)
+        self.flush()
+        return [r is not False for r in results]
+
+    def _write_one(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | bool:
+        """The published entry (to commit), True if someone else holds the page, False on failure."""
+        if len(view) != self.page_bytes:
+            raise DiskError(f"page {name} is {len(view)} bytes; the tier stores {self.page_bytes}-byte pages")
+        with self.lock:
+            victims = self.index.reserve(name, len(view))
+        if victims is None:
+            return True  # present, or another thread is writing it
+        self._unlink(victims)
+        t0 = time.perf_counter()
+        tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
+        try:
+            self._make_room(len(view))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _pwrite_all(fd, view)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            page_digest = digest(view)
+            try:
+                os.link(tmp, self.path(name))  # publish only if absent: the first writer wins
+            except FileExistsError:
+                self.num_lost_races += 1
+                with self.lock:
+                    self.index.abort(name)
+                return True
+            self.write_latency.observe(time.perf_counter() - t0)
+            return DiskEntry(name, len(view), page_digest, announce)
+        except OSError as exc:
+            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            log.warning("nvme write of %s failed: %s", name, exc)
+            with self.lock:
+                self.index.abort(name)
+            return False
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _make_room(self, size: int) -> None:
+        if not self.min_free_space:
+            return
+        st = os.statvfs(self.dir)
+        short = self.min_free_space + size - st.f_bavail * st.f_frsize
+        if short > 0:
+            with self.lock:
+                victims = self.index.evict_bytes(short)
+            self._unlink(victims)
+            st = os.statvfs(self.dir)
+            if st.f_bavail * st.f_frsize - size < self.min_free_space:
+                raise OSError(errno.ENOSPC, f"nvme.min_free_space = {self.min_free_space} bytes would be crossed")
+
+    def _unlink(self, entries: Sequence[DiskEntry]) -> None:
+        for entry in entries:
+            try:
+                os.unlink(self.path(entry.name))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+        self._append_manifest([["del", e.name] for e in entries if e.digest is not None])
+
+    def evict_to_watermark(self) -> int:
+        with self.lock:
+            victims = self.index.evict_to_watermark()
+        self._unlink(victims)
+        self.flush()
+        return len(victims)
+
+    def remove(self, page_hexes: Sequence[str]) -> int:
+        with self.lock:
+            gone = self.index.remove([self.name(h) for h in page_hexes])
+        self._unlink(gone)
+        self.flush()
+        return len(gone)
+
+    # --- reads ---------------------------------------------------------------------------------------
+
+    def present(self, page_hexes: Sequence[str]) -> int:
+        """Leading run of pages on disk; unknown names are looked for on disk (another writer)."""
+        n = 0
+        for h in page_hexes:
+            name = self.name(h)
+            with self.lock:
+                known = name in self.index
+            if not known and not self._adopt_from_disk(name):
+                break
+            n += 1
+        return n
+
+    def _adopt_from_disk(self, name: str) -> bool:
+        try:
+            size = os.stat(self.path(name)).st_size
+        except OSError:
+            return False
+        if size != self.page_bytes:
+            return False
+        with self.lock:
+            self.index.adopt(DiskEntry(name, size, None, None), announce=False)
+        return True
+
+    def read_into(self, page_hexes: Sequence[str], buffers: Sequence[memoryview]) -> int:
+        """Read pages into buffers (parallel); returns the leading run that arrived intact."""
+        futures = [self._readers.submit(self._read_one, self.name(h), b) for h, b in zip(page_hexes, buffers)]
+        ok = [f.result() for f in futures]
+        self.flush()
+        n = next((i for i, good in enumerate(ok) if not good), len(ok))
+        with self.lock:
+            self.index.touch([self.name(h) for h in page_hexes[:n]])
+        return n
+
+    def _read_one(self, name: str, buf: memoryview) -> bool:
+        with self.lock:
+            entry = self.index.get(name)
+        if entry is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            fd = os.open(self.path(name), os.O_RDONLY)
+        except FileNotFoundError:
+            with self.lock:
+                self.index.remove([name])
+            return False
+        except OSError as exc:
+            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            got = _pread_all(fd, buf[:self.page_bytes]) if size == self.page_bytes else -1
+        except OSError as exc:
+            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            return False
+        finally:
+            os.close(fd)
+        if got != self.page_bytes or (entry.digest is not None and digest(buf[:self.page_bytes]) != entry.digest):
+            log.warning("nvme page %s is truncated or corrupt: removed", name)
+            with self.lock:
+                gone = self.index.remove([name], corrupt=True)
+            self._unlink(gone)
+            return False
+        self.read_latency.observe(time.perf_counter() - t0)
+        return True
+
+    # --- startup scan --------------------------------------------------------------------------------
+
+    def start_scan(self) -> threading.Thread:
+        thread = threading.Thread(target=self.scan, name="kvcr-nvme-scan", daemon=True)
+        thread.start()
+        return thread
+
+    def scan(self) -> None:
+        """Rebuild the inventory from disk, announcing pages in batches as it goes.
+
+        Pages we wrote are adopted in manifest (write) order, so parents are announced before
+        their children; then the directory is swept for pages other programs wrote, abandoned
+        temporary files and foreign files.
+        """
+        try:
+            manifest = self.read_manifest()
+            batch: list[DiskEntry] = []
+            for name, (size, page_digest, announce) in manifest.items():
+                entry = self._check_file(name, size, DiskEntry(name, size, page_digest, announce))
+                if entry is not None:
+                    batch.append(entry)
+                if len(batch) >= SCAN_BATCH:
+                    self._adopt_batch(batch)
+            self._adopt_batch(batch)
+            with os.scandir(self.dir) as it:
+                for item in it:
+                    entry = self._sweep_entry(item, manifest)
+                    if entry is not None:
+                        batch.append(entry)
+                    if len(batch) >= SCAN_BATCH:
+                        self._adopt_batch(batch)
+            self._adopt_batch(batch)
+            self.compact_manifest()
+        except OSError as exc:
+            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            log.error("nvme scan of %s failed: %s", self.dir, exc)
+        finally:
+            self.scan_done.set()
+
+    def _check_file(self, name: str, expected: int, entry: DiskEntry) -> DiskEntry | None:
+        """The entry if its file is whole; a partial or wrong-sized file is removed and counted."""
+        path = self.path(name)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if size != self.page_bytes or size != expected:
+            path.unlink(missing_ok=True)  # never served
+            with self.lock:
+                self.index.num_corrupt += 1
+            return None
+        return entry
+
+    def _sweep_entry(self, item: os.DirEntry, manifest: dict) -> DiskEntry | None:
+        name = item.name
+        if name.endswith(".tmp"):
+            if time.time() - item.stat().st_mtime >= self.stale_temp_age_s:
+                os.unlink(item.path)  # abandoned by a writer that died
+                self.num_stale_temp_removed += 1
+            return None
+        stem = name[:-4]
+        if not (name.endswith(".bin") and stem.endswith(self.suffix) and len(stem) == 64 + len(self.suffix)):
+            if name not in (MANIFEST, FORMAT_FILE):
+                self.num_foreign += 1
+            return None
+        if stem in manifest:
+            return None  # handled in manifest order
+        # Written by another program (HiCacheFile): no digest, no tokens; served, never announced.
+        return self._check_file(stem, self.page_bytes, DiskEntry(stem, self.page_bytes, None, None))
+
+    def _adopt_batch(self, batch: list[DiskEntry]) -> None:
+        with self.lock:
+            for entry in batch:
+                self.index.adopt(entry)
+        batch.clear()
+        self.flush()
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+
+
+def _pwrite_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done:]], done)
+
+
+def _pread_all(fd: int, buf: memoryview) -> int:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], done)
+        if n == 0:
+            break
+        done += n
+    return done

@@ -1,0 +1,223 @@
+"""NVMe tier: file format, HiCacheFile interop, persistence, corruption, races, eviction, spill/promote."""
+
+import json
+import multiprocessing
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcr.config import load_config
+from kvcr.drivers.nvme import FORMAT_VERSION, MANIFEST, DiskError, DiskTier, hicache_suffix
+from kvcr.proto.announce import announce_request
+from kvcr.proto.disk_index import DiskIndex
+from kvcr.proto.events import BlockRemoved, BlockStored
+from kvcr.proto.keys import Namespace, request_page_hashes
+from kvcr.runner import Runner
+
+BLOCK = 4
+PAGE = 8192
+NS = Namespace(model="org/model-x", tp_size=2, tp_rank=1, page_size=BLOCK)
+
+
+def chain(n, seed=0):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(30000) for _ in range(n * BLOCK)]
+    return request_page_hashes(tokens, BLOCK), announce_request(tokens, BLOCK), \
+        [rng.randbytes(PAGE) for _ in range(n)]
+
+
+class Tier:
+    """A DiskTier with its own lock and a list collecting the events it publishes."""
+
+    def __init__(self, root, ns=NS, **kw):
+        self.lock = threading.RLock()
+        self.events = []
+        self.index = DiskIndex(block_size=BLOCK, max_bytes=kw.pop("max_bytes", 0),
+                               high_watermark=kw.pop("high", 1.0), low_watermark=kw.pop("low", 0.9))
+        self.tier = DiskTier(root, ns, page_bytes=PAGE, index=self.index, lock=self.lock, flush=self._flush, **kw)
+
+    def _flush(self):
+        with self.lock:
+            self.events.extend(self.index.take_events())
+
+    def read(self, hexes):
+        bufs = [bytearray(PAGE) for _ in hexes]
+        n = self.tier.read_into(hexes, [memoryview(b) for b in bufs])
+        return [bytes(b) for b in bufs[:n]]
+
+    def stored(self):
+        return [h for e in self.events if isinstance(e, BlockStored) for h in e.block_hashes]
+
+
+def test_pages_round_trip_with_hicache_file_names_and_a_versioned_format(tmp_path):
+    t = Tier(tmp_path)
+    hexes, ann, data = chain(3)
+    assert t.tier.write(hexes, [memoryview(d) for d in data], ann) == [True] * 3
+    assert t.read(hexes) == data
+    ns_dir = tmp_path / f"ns-{NS.digest}"
+    assert sorted(p.name for p in ns_dir.glob("*.bin")) == sorted(f"{h}_org-model-x_1_2.bin" for h in hexes)
+    assert (ns_dir / hexes[0]).with_name(f"{hexes[0]}_org-model-x_1_2.bin").read_bytes() == data[0]
+    assert json.loads((ns_dir / "format.json").read_text())["format_version"] == FORMAT_VERSION
+    assert t.stored() == [a.event_hash for a in ann]
+    assert all(e.medium == "DISK" for e in t.events)
+    assert not list(ns_dir.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("ns,suffix", [
+    (Namespace(model="m", tp_size=4, tp_rank=3), "_m_3_4"),
+    (Namespace(model="a/b", tp_size=2, tp_rank=1, is_mla=True), "_a-b"),
+    (Namespace(model="m", pp_size=2, pp_rank=1), "_m_0_1_2_1"),
+])
+def test_file_suffix_matches_hicache_file(ns, suffix):
+    assert hicache_suffix(ns) == suffix
+
+
+def test_a_newer_on_disk_format_is_refused_by_name(tmp_path):
+    Tier(tmp_path)
+    fmt = tmp_path / f"ns-{NS.digest}" / "format.json"
+    fmt.write_text(json.dumps({"format_version": 99}))
+    with pytest.raises(DiskError, match="on-disk format version 99 is not 1"):
+        Tier(tmp_path)
+
+
+def test_pages_survive_a_restart_and_are_announced_again(tmp_path):
+    t = Tier(tmp_path)
+    hexes, ann, data = chain(4)
+    t.tier.write(hexes, [memoryview(d) for d in data], ann)
+    t.tier.close()
+    t2 = Tier(tmp_path)
+    t2.tier.scan()
+    assert t2.read(hexes) == data
+    assert t2.stored() == [a.event_hash for a in ann]
+    assert t2.index.statistics().num_unverified == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "extend"])
+def test_a_damaged_page_is_a_counted_miss_and_is_removed(tmp_path, damage):
+    t = Tier(tmp_path)
+    hexes, ann, data = chain(3)
+    t.tier.write(hexes, [memoryview(d) for d in data], ann)
+    path = t.tier.path(t.tier.name(hexes[1]))
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(raw[:100])
+    elif damage == "flip":
+        raw[5000] ^= 0xFF
+        path.write_bytes(raw)
+    else:
+        path.write_bytes(raw + b"x")
+    assert t.read(hexes) == data[:1]  # never the damaged bytes
+    assert not path.exists() and t.index.statistics().num_corrupt == 1
+    removed = [h for e in t.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed == [ann[1].event_hash]
+
+
+def test_scan_removes_partial_pages_and_stale_temps_and_leaves_foreign_files(tmp_path):
+    t = Tier(tmp_path, stale_temp_age_s=0)
+    hexes, ann, data = chain(2)
+    t.tier.write(hexes, [memoryview(d) for d in data], ann)
+    ns_dir = t.tier.dir
+    (ns_dir / ".abandoned.tmp").write_bytes(b"half")
+    (ns_dir / "notes.txt").write_text("operator's file")
+    t.tier.path(t.tier.name(hexes[1])).write_bytes(b"short")
+    t.tier.close()
+    t2 = Tier(tmp_path, stale_temp_age_s=0)
+    t2.tier.scan()
+    assert not (ns_dir / ".abandoned.tmp").exists() and (ns_dir / "notes.txt").exists()
+    assert t2.tier.num_stale_temp_removed == 1 and t2.tier.num_foreign == 1
+    assert t2.index.statistics().num_corrupt == 1 and t2.read(hexes) == data[:1]
+
+
+def test_max_size_evicts_the_oldest_pages_between_the_watermarks(tmp_path):
+    t = Tier(tmp_path, max_bytes=10 * PAGE, high=0.8, low=0.5)
+    hexes, ann, data = chain(10)
+    for i in range(10):
+        t.tier.write(hexes[i:i + 1], [memoryview(data[i])], ann[i:i + 1])
+    stats = t.index.statistics()
+    assert stats.num_bytes <= 8 * PAGE and stats.num_evicted >= 4
+    assert t.tier.present(hexes[-1:]) == 1 and t.tier.present(hexes[:1]) == 0
+    assert len(list(t.tier.dir.glob("*.bin"))) == stats.num_pages
+
+
+def _race_writer(root, payload_byte, out):
+    t = Tier(root)
+    hexes, ann, _ = chain(1, seed=42)
+    payload = memoryview(bytes([payload_byte]) * PAGE)
+    threads = [threading.Thread(target=t.tier.write, args=(hexes, [payload], ann)) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    out.put(len(t.stored()))
+
+
+def test_eight_writers_in_two_processes_leave_one_whole_page_and_one_announcement(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_race_writer, args=(str(tmp_path), b, out)) for b in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert out.get(timeout=5) + out.get(timeout=5) == 1
+    files = list((tmp_path / f"ns-{NS.digest}").iterdir())
+    pages = [f for f in files if f.suffix == ".bin"]
+    assert len(pages) == 1 and pages[0].read_bytes() in (b"\x01" * PAGE, b"\x02" * PAGE)
+    assert not [f for f in files if f.name.endswith(".tmp")]
+
+
+def test_keys_that_are_not_page_hashes_never_reach_the_filesystem(tmp_path):
+    cfg = load_config(None, {"runner.name": "esc", "dram.size": "1Mi", "nvme.storage_dir": str(tmp_path),
+                             "dram.pools": [{"name": "kv", "page_bytes": PAGE}]})
+    runner = Runner(cfg)
+    try:
+        with pytest.raises(ValueError, match="64 lowercase hex"):
+            runner.key("kv", "../" * 20 + "etc/passwd")
+    finally:
+        runner.shutdown()
+
+
+# --- the tier inside a runner: spill and promotion ---------------------------------------------------
+
+@pytest.fixture
+def nvme_runner(tmp_path):
+    events = []
+    cfg = load_config(None, {"runner.name": "nv", "runner.block_size": BLOCK, "dram.size": 8 * PAGE,
+                             "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "dram.high_watermark": 0.75,
+                             "dram.low_watermark": 0.5, "nvme.storage_dir": str(tmp_path)})
+    runner = Runner(cfg, publish=events.extend)
+    yield runner, events
+    runner.shutdown()
+
+
+def test_dram_eviction_spills_to_nvme_and_a_hit_is_promoted_back(nvme_runner):
+    runner, events = nvme_runner
+    hexes, ann, data = chain(8)
+    keys = [runner.key("kv", h) for h in hexes]
+    runner.put("kv", keys[:7], data[:7], ann[:7])
+    assert runner.spill("kv") == 3  # 7 used > 6 (high) -> down to 4 (low), oldest first
+    disk = runner.disks["kv"]
+    assert disk.present(hexes) == 0 and disk.present(hexes[4:7]) == 3  # the chain's tail went to NVMe
+    media = [(e.medium, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
+    assert ("DISK", 3) in media or sum(n for m, n in media if m == "DISK") == 3
+    assert runner.get("kv", keys[:7]) == data[:7]  # DRAM run, then promoted NVMe run
+    assert runner.num_promoted == 3
+
+
+def test_promotion_refuses_a_corrupt_nvme_page(nvme_runner):
+    runner, _ = nvme_runner
+    hexes, ann, data = chain(2, seed=5)
+    keys = [runner.key("kv", h) for h in hexes]
+    disk = runner.disks["kv"]
+    disk.write(hexes, [memoryview(d) for d in data], ann)
+    path = disk.path(disk.name(hexes[1]))
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 1
+    path.write_bytes(raw)
+    assert runner.get("kv", keys) == data[:1]
+    assert runner.pools["kv"].statistics().num_ready == 1  # the bad page never became visible in DRAM
