@@ -103,12 +103,14 @@ class AttachedWriter:
         reply = self.client.request(m.Reserve(pool=pool, keys=list(page_hexes), writer_pid=os.getpid(),
                                               announces=[a.to_wire() if a else None for a in announces or []]))
         size = self.pools[pool]["page_bytes"]
-        ok = []
-        for offset, data in zip(reply.offsets, pages):
-            if offset >= 0:
-                self.view[offset:offset + size] = data
-            ok.append(True)
-        return self.client.request(m.Commit(fill_id=reply.fill_id, ok=ok)).num_committed
+        try:
+            for offset, data in zip(reply.offsets, pages):
+                if offset >= 0:
+                    self.view[offset:offset + size] = data
+        except BaseException:
+            self.client.request(m.Commit(fill_id=reply.fill_id, ok=[False] * len(reply.offsets)))
+            raise
+        return self.client.request(m.Commit(fill_id=reply.fill_id, ok=[True] * len(reply.offsets))).num_committed
 
     def get(self, pool: str, page_hexes: Sequence[str]) -> list[bytes]:
         grant = self.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes)))
@@ -119,5 +121,5 @@ class AttachedWriter:
             out = [bytes(self.view[o:o + size]) for o in grant.offsets]
         finally:
             released = self.client.request(m.ReleaseRequest(claim_id=grant.claim_id))
-        # Only pages whose slot stayed live for the whole claim are returned.
+        # Only the leading pages whose slot stayed live for the whole claim are returned.
         return out[:next((i for i, live in enumerate(released.live) if not live), len(out))]

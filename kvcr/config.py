@@ -229,10 +229,17 @@ def _validate(cfg: Config) -> None:
     _require(e.buffer_steps >= 1, f"events.buffer_steps = {e.buffer_steps} must be >= 1")
     _require(e.heartbeat_s >= 0, f"events.heartbeat_s = {e.heartbeat_s} must be >= 0 (0 disables it)")
     _require(e.queue_size >= 1, f"events.queue_size = {e.queue_size} must be >= 1")
-    for key, value in (("events.endpoint", e.endpoint), ("events.replay_endpoint", e.replay_endpoint),
-                       ("runner.control_endpoint", r.control_endpoint)):
-        _require(value.startswith(("tcp://", "ipc://", "inproc://")), f"{key} = {value!r} must be a ZMQ "
-                 "endpoint (tcp://HOST:PORT, ipc://PATH)")
+    endpoints = [("events.endpoint", e.endpoint), ("events.replay_endpoint", e.replay_endpoint),
+                 ("runner.control_endpoint", r.control_endpoint)]
+    endpoints += [(k, v) for k, v in (("events.engine_endpoint", e.engine_endpoint),
+                                      ("events.engine_replay_endpoint", e.engine_replay_endpoint)) if v]
+    for key, value in endpoints:
+        _require(bool(re.fullmatch(r"(tcp://[^\s/]+:\d+|ipc://\S+|inproc://\S+)", value)),
+                 f"{key} = {value!r} must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
+    _require(not e.engine_replay_endpoint or bool(e.engine_endpoint),
+             "events.engine_replay_endpoint is set but events.engine_endpoint is not")
+    _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", r.name)),
+             f"runner.name = {r.name!r} may use only letters, digits, '_', '.', '-' (it names files)")
     for p in d.pools:
         cfg.namespace_for(p)
     n = cfg.nvme

@@ -172,7 +172,7 @@ class Runner:
         try:
             view, stride, base, size = self.view, layout.stride, layout.offset, layout.page_bytes
             for page, data in zip(fill.pages, pages):
-                if page is not None:  # inlined slot_view: this loop is the put hot path
+                if isinstance(page, Page):  # inlined slot_view: this loop is the put hot path
                     start = base + page.slot * stride
                     view[start:start + size] = data
         except BaseException:
@@ -199,7 +199,7 @@ class Runner:
             self.misses += len(keys) - len(claim.pages)
             return claim
 
-    def renew(self, claim_id: int, *, owner: str = "local") -> float:
+    def renew(self, claim_id: int, *, owner: str = "local") -> Claim:
         with self.lock:
             return self.claims.renew(claim_id, owner=owner, now=self.clock())
 
@@ -231,7 +231,7 @@ class Runner:
         except PoolError:
             return 0  # no room even after eviction: serve what DRAM has
         ok = [True] * n
-        todo = [(i, p) for i, p in enumerate(fill.pages) if p is not None]
+        todo = [(i, p) for i, p in enumerate(fill.pages) if isinstance(p, Page)]
         try:
             got = disk.read_into([hexes[i] for i, _ in todo], [self.slot_view(pool, p) for _, p in todo])
             for j, (i, _) in enumerate(todo):
@@ -344,7 +344,9 @@ class Runner:
         return [disk.start_scan() for disk in self.disks.values()]
 
     def relay(self, step: RelayStep) -> None:
-        """Publish relayed engine events; a resync first clears and re-announces our own pages."""
+        """Publish relayed engine events; a resync first clears and re-announces our own pages.
+
+        Our pending events go out first, so the stream keeps the order in which state changed."""
         with self.lock:
             self._flush_events()
             if step.resync:

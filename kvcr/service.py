@@ -36,7 +36,7 @@ class Service:
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
-                               info=self.info)
+                               info=self.info, health=self.health)
         self.stopped = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)
 
@@ -63,7 +63,16 @@ class Service:
     def snapshot(self) -> tuple[int, list]:
         """The inventory and the seq of the last batch it reflects (taken atomically)."""
         with self.runner.lock:
-            return self.publisher.last_seq, self.runner.inventory()
+            engine = self.relay.mirror.inventory() if self.relay is not None else []
+            return self.publisher.last_seq, [*self.runner.inventory(), *engine]
+
+    def health(self) -> list[str]:
+        """What is broken (empty when healthy): a dead thread stops events or requests silently."""
+        parts = [self.publisher, self.control, *([self.relay] if self.relay is not None else [])]
+        problems = [p.health() for p in parts]
+        if not self._housekeeper.is_alive() and not self.stopped.is_set():
+            problems.append("housekeeping thread is gone")
+        return [p for p in problems if p]
 
     def info(self) -> dict:
         return {"version": __version__, "protocol": [PROTOCOL_MAJOR, PROTOCOL_MINOR],

@@ -13,16 +13,24 @@ def tail(endpoint: str, replay: str | None, *, count: int = 0, timeout_s: float 
          from_snapshot: str | None = None, out=sys.stdout) -> int:
     from router_hints.subscriber import Delivery, Subscriber
 
-    sub = Subscriber()
+    lost = []
+    sub = Subscriber(on_unrepaired=lost.append)
     sub.add("runner", endpoint, replay)
-    if from_snapshot:
+
+    def snapshot() -> int:
+        """Print the whole inventory (a consumer replaces its state with it); returns its seq."""
         from .client import ControlClient
 
         with ControlClient(from_snapshot) as client:
             seq, events = client.snapshot()
+        out.write(json.dumps({"seq": seq, "snapshot": "begin"}) + "\n")
         for event in events:
             out.write(json.dumps({"seq": seq, "snapshot": True, "event": event.to_wire()}) + "\n")
-        sub.start_after("runner", seq)
+        out.write(json.dumps({"seq": seq, "snapshot": "end"}) + "\n")
+        return seq
+
+    if from_snapshot:
+        sub.start_after("runner", snapshot())
     deadline = time.monotonic() + timeout_s if timeout_s else None
     stored = 0
     try:
@@ -30,6 +38,9 @@ def tail(endpoint: str, replay: str | None, *, count: int = 0, timeout_s: float 
             for item in sub.poll(200):
                 if not isinstance(item, Delivery):
                     print(f"kvcr events tail: {item.kind}: {item.detail}", file=sys.stderr)
+                    if lost and from_snapshot:  # replay could not repair a gap: resync
+                        lost.clear()
+                        snapshot()
                     continue
                 for event in item.batch.events:
                     out.write(json.dumps({"seq": item.seq, "ts": item.batch.ts, "dp_rank": item.batch.dp_rank,

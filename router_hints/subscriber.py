@@ -12,7 +12,8 @@ from typing import Callable, Iterator
 
 import zmq
 
-from kvcr.proto.events import REPLAY_END_SEQ, AllBlocksCleared, EventBatch, EventError, decode_frames, encode_seq
+from router_hints.replay import ReplayAnswer, fetch_replay
+from kvcr.proto.events import AllBlocksCleared, EventBatch, EventError, decode_frames
 from kvcr.proto.stream import StreamTracker, Verdict
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Subscriber:
 
     def start_after(self, name: str, seq: int) -> None:
         """Continue `name` after a snapshot taken at `seq`."""
-        self._publishers[name].tracker.advance(seq)
+        self._publishers[name].tracker.start_after_snapshot(seq)
 
     def close(self) -> None:
         for sock in self._sockets.values():
@@ -86,17 +87,16 @@ class Subscriber:
                     break
                 yield from self._on_frames(self._publishers[name], frames)
 
-    def _on_frames(self, pub: _Publisher, frames: list[bytes], replayed: bool = False
-                   ) -> Iterator[Delivery | Notice]:
+    def _on_frames(self, pub: _Publisher, frames: list[bytes]) -> Iterator[Delivery | Notice]:
         try:
             _, seq, batch = decode_frames(frames)
         except EventError as exc:
             self.num_malformed += 1
             yield Notice(pub.name, "malformed", str(exc))
             return
+        yield from self._rejected(pub, batch)
         starts_with_clear = bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
-        verdict, gap_start = pub.tracker.classify(seq, starts_with_clear)
-        pub.tracker.note(verdict, seq, gap_start)
+        verdict, gap_start = pub.tracker.observe(seq, starts_with_clear)
         if verdict is Verdict.STALE:
             return
         if verdict is Verdict.RESTART:
@@ -104,50 +104,30 @@ class Subscriber:
         if verdict is Verdict.GAP:
             yield Notice(pub.name, "gap", f"missing [{gap_start}, {seq})")
             yield from self._replay(pub, gap_start, seq)
-            if pub.tracker.last is not None and seq <= pub.tracker.last:
-                return
         pub.tracker.advance(seq)
-        yield Delivery(pub.name, seq, batch, replayed)
+        yield Delivery(pub.name, seq, batch)
 
-    def _replay(self, pub: _Publisher, start: int, stop: int) -> Iterator[Delivery | Notice]:
+    def _replay(self, pub: _Publisher, start: int, trigger: int) -> Iterator[Delivery | Notice]:
         if pub.replay_endpoint is None:
-            yield from self._unrepaired(pub, start, stop, "no replay endpoint")
-            return
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(pub.replay_endpoint)
-        try:
-            sock.send_multipart([b"", encode_seq(start)])
-            got: list[tuple[int, list[bytes]]] = []
-            while True:
-                if not sock.poll(self.replay_timeout_ms):
-                    yield from self._unrepaired(pub, start, stop, "replay timed out")
-                    return
-                frames = sock.recv_multipart()  # [empty, topic, seq, payload]; seq ff x 8 ends it
-                if len(frames) != 4:
-                    self.num_malformed += 1
-                    continue
-                if frames[2] == REPLAY_END_SEQ:
-                    break
-                got.append((int.from_bytes(frames[2], "big"), frames[1:]))
-        finally:
-            sock.close()
-        got.sort()
-        if not got or got[0][0] > start:
-            # Deliver what replay still holds (as Dynamo does); the rest needs a snapshot.
-            yield from self._unrepaired(pub, start, got[0][0] if got else stop, "replay buffer no longer holds it")
-            pub.tracker.advance((got[0][0] if got else stop) - 1)
-        for seq, frames in got:
-            if seq <= (pub.tracker.last if pub.tracker.last is not None else -1):
-                continue
-            pub.tracker.advance(seq)
-            try:
-                yield Delivery(pub.name, seq, decode_frames(frames)[2], replayed=True)
-            except EventError as exc:
-                self.num_malformed += 1
-                yield Notice(pub.name, "malformed", f"replayed batch {seq}: {exc}")
+            answer = ReplayAnswer((), 0, True)
+        else:
+            answer = fetch_replay(self._ctx, pub.replay_endpoint, start, self.replay_timeout_ms)
+        self.num_malformed += answer.num_malformed
+        plan = pub.tracker.plan_replay([s for s, _ in answer.batches], start, trigger)
+        if plan.lost is not None:
+            why = "no replay endpoint" if pub.replay_endpoint is None else \
+                "replay timed out" if not answer.complete else "replay buffer no longer holds it"
+            if self.on_unrepaired is not None:
+                self.on_unrepaired(pub.name)
+            yield Notice(pub.name, "lost", f"batches [{plan.lost[0]}, {plan.lost[1]}) not repaired: {why}")
+        wanted = set(plan.deliver)
+        for seq, batch in answer.batches:
+            if seq in wanted:
+                pub.tracker.advance(seq, replayed=True)
+                yield from self._rejected(pub, batch)
+                yield Delivery(pub.name, seq, batch, replayed=True)
 
-    def _unrepaired(self, pub: _Publisher, start: int, stop: int, why: str) -> Iterator[Notice]:
-        if self.on_unrepaired is not None:
-            self.on_unrepaired(pub.name)
-        yield Notice(pub.name, "lost", f"batches [{start}, {stop}) not repaired: {why}")
+    def _rejected(self, pub: _Publisher, batch: EventBatch) -> Iterator[Notice]:
+        for reason in batch.rejected:
+            self.num_malformed += 1
+            yield Notice(pub.name, "malformed", f"event dropped: {reason}")

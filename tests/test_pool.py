@@ -6,7 +6,7 @@ from kvcr.proto.announce import Announce, announce_request
 from kvcr.proto.claims import ClaimError, ClaimLimit, ClaimTable
 from kvcr.proto.events import BlockRemoved, BlockStored
 from kvcr.proto.keys import request_page_hashes
-from kvcr.proto.pool import PagePool, PageSizeError, PoolExhausted
+from kvcr.proto.pool import IN_FLIGHT, PagePool, PageSizeError, PoolExhausted
 
 BLOCK = 4
 
@@ -160,6 +160,8 @@ def test_lease_expiry_releases_and_renew_extends():
     assert pool.num_claimed == 2
     assert table.next_deadline() == pytest.approx(1.9)
     assert table.expire(2.0) == [c2.claim_id] and pool.num_claimed == 0
+    late = table.release(c1.claim_id, owner="a")  # answered from the tombstone
+    assert late.expired and late.live == (True, True)  # nothing reused the slots meanwhile
     with pytest.raises(ClaimError, match="not held"):
         table.release(c1.claim_id, owner="a")
 
@@ -195,16 +197,51 @@ def test_clear_during_fill_discards_the_late_commit():
     assert pool.leading_ready(keys) == 0 and pool.statistics().num_free == 8
 
 
-def test_generation_detects_slot_reuse():
+def test_a_late_release_reports_a_reused_slot_as_not_live():
     pool = make_pool(slots=1)
     table = ClaimTable(max_claim_fraction=1.0)
     keys, ann = chain(1)
-    (page,) = store(pool, keys, ann)
+    store(pool, keys, ann)
     claim = table.claim(pool, keys, owner="a", lease_s=1, now=0)
     table.expire(2)
-    store(pool, *chain(1, start=50))
-    assert not pool.is_live(page) and page.generation != pool._generation[page.slot]
-    assert claim.claim_id not in table._claims
+    store(pool, *chain(1, start=50))  # the expired page was evicted and its slot reused
+    assert table.release(claim.claim_id, owner="a").live == (False,)
+
+
+def test_in_flight_keys_are_told_apart_from_stored_ones():
+    pool = make_pool()
+    keys, ann = chain(2)
+    store(pool, keys[:1], ann[:1])
+    first = pool.begin_fill(keys[1:], ann[1:])
+    assert pool.begin_fill(keys, ann) == [None, IN_FLIGHT]
+    pool.commit_fill(first, ok=[False])  # the other writer failed: the key is absent again
+    assert pool.leading_ready(keys) == 1
+
+
+def test_a_bad_commit_changes_nothing():
+    pool = make_pool()
+    table = ClaimTable()
+    keys, ann = chain(2)
+    fill = table.reserve(pool, keys, ann, owner="w", lease_s=5, now=0)
+    for bad in ([True], [True, "yes"]):
+        with pytest.raises(PageSizeError, match="one bool per page"):
+            table.commit(fill.fill_id, owner="w", ok=bad)
+    assert pool.statistics().num_filling == 2
+    assert table.commit(fill.fill_id, owner="w", ok=[True, True]) == 2
+
+
+def test_eviction_is_all_or_nothing():
+    pool = make_pool(slots=3)
+    table = ClaimTable(max_claim_fraction=1.0)
+    a, a_ann = chain(2)
+    b, b_ann = chain(1, start=300)
+    store(pool, a, a_ann)
+    store(pool, b, b_ann)
+    table.claim(pool, a, owner="x", lease_s=5, now=0)
+    pool.take_events()
+    with pytest.raises(PoolExhausted):
+        pool.begin_fill(*chain(2, start=600))  # only b is evictable: not enough
+    assert pool.leading_ready(b) == 1 and pool.take_events() == []
 
 
 def test_salted_chain_is_announced_with_salt_and_salted_hashes():

@@ -55,18 +55,37 @@ def test_a_gap_asks_for_replay_and_a_replay_that_misses_it_resyncs():
     mirror = EngineMirror(block_size=BLOCK)
     mirror.on_batch(0, batch(gpu_stored([1])))
     assert mirror.on_batch(5, batch(gpu_stored([6]))).replay_from == 1
-    steps = mirror.on_replayed([(3, batch(gpu_stored([4]))), (4, batch(gpu_stored([5])))], gap_start=1)
-    assert steps[0].resync and "could not fill" in steps[0].problem
-    assert mirror.on_batch(5, batch(gpu_stored([6]))).events == (gpu_stored([6]),)
+    steps = mirror.after_replay([(3, batch(gpu_stored([4]))), (4, batch(gpu_stored([5])))], 1, 5,
+                                batch(gpu_stored([6])))
+    assert steps[0].resync and "[1, 3) could not be replayed" in steps[0].problem
+    assert [s.events[0].block_hashes for s in steps[1:]] == [(4,), (5,), (6,)]
     assert [e.block_hashes[0] for e in mirror.inventory()] == [4, 5, 6]
+    assert mirror.on_batch(6, batch(gpu_stored([7]))).events == (gpu_stored([7]),)  # in order again
+
+
+def test_a_replay_that_never_answers_resyncs_and_the_stream_moves_on():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    steps = mirror.after_replay([], 1, 9, batch(gpu_stored([9])))
+    assert steps[0].resync and steps[-1].events == (gpu_stored([9]),)
+    assert mirror.on_batch(10, batch(gpu_stored([10]))).replay_from == -1
 
 
 def test_a_filled_gap_forwards_the_missing_batches_in_order():
     mirror = EngineMirror(block_size=BLOCK)
     mirror.on_batch(0, batch(gpu_stored([1])))
-    steps = mirror.on_replayed([(1, batch(gpu_stored([2]))), (2, batch(gpu_stored([3])))], gap_start=1)
-    assert [s.events[0].block_hashes for s in steps] == [(2,), (3,)] and not any(s.resync for s in steps)
-    assert mirror.on_batch(2, batch(gpu_stored([3]))).events == ()
+    steps = mirror.after_replay([(1, batch(gpu_stored([2]))), (2, batch(gpu_stored([3])))], 1, 3,
+                                batch(gpu_stored([4])))
+    assert [s.events[0].block_hashes for s in steps] == [(2,), (3,), (4,)] and not any(s.resync for s in steps)
+    assert mirror.on_batch(2, batch(gpu_stored([3]))).events == ()  # a late live copy is stale
+
+
+def test_a_restart_whose_first_batch_was_lost_is_still_a_restart():
+    mirror = EngineMirror(block_size=BLOCK)
+    for seq in range(5):
+        mirror.on_batch(seq, batch(gpu_stored([seq + 100])))
+    step = mirror.on_batch(1, batch(gpu_stored([7])))  # the new engine's seq 0 never arrived
+    assert step.resync and step.problem == "engine restarted"
 
 
 def test_a_block_size_mismatch_is_refused_by_name():
@@ -184,3 +203,12 @@ def test_a_restarted_runner_rebuilds_the_engine_view_from_replay(runner_factory)
         sub.close()
     finally:
         engine.close()
+
+
+def test_live_batches_older_than_a_snapshot_are_stale_not_a_restart():
+    from kvcr.proto.stream import StreamTracker, Verdict
+    tracker = StreamTracker()
+    tracker.start_after_snapshot(50)
+    assert tracker.observe(49)[0] is Verdict.STALE
+    assert tracker.observe(51)[0] is Verdict.DELIVER
+    assert tracker.observe(3, starts_with_clear=True)[0] is Verdict.RESTART

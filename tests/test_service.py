@@ -86,6 +86,8 @@ def test_a_gap_is_repaired_by_replay(runner_factory):
         keys, ann, data = pages_for(6)
         for i in range(3):  # three batches nobody is listening to
             writer.put("kv", keys[i:i + 1], data[i:i + 1], ann[i:i + 1])
+        import time
+        time.sleep(0.3)  # let the publisher thread send them before anyone subscribes
         sub = subscribe(info)
         sub.start_after("r", seq)
         import time
@@ -171,7 +173,14 @@ def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(r
     bad = [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"type": "claim", "keys": 3}),
            msgpack.packb({"type": "lookup", "keys": ["zz"]}), msgpack.packb({"type": "reserve", "pool": "nope"}),
            msgpack.packb({"type": "release", "claim_id": 999}), msgpack.packb({"type": "lookup", "version": [9, 0]}),
-           msgpack.packb({"type": "granted"}), msgpack.packb({"type": "no-such"})]
+           msgpack.packb({"type": "granted"}), msgpack.packb({"type": "no-such"}),
+           msgpack.packb({"type": [1]}),
+           msgpack.packb({"type": "reserve", "keys": ["a" * 64], "announces": [[5, 5, [1] * 16, None, None]]}),
+           msgpack.packb({"type": "reserve", "keys": ["a" * 64], "announces": ["x"]}),
+           msgpack.packb({"type": "reserve", "keys": ["a" * 64], "lease_s": float("nan")}),
+           msgpack.packb({"type": "claim", "keys": ["a" * 64], "lease_s": -1.0}),
+           msgpack.packb({"type": "reserve", "keys": ["a" * 64], "writer_pid": -1}),
+           msgpack.packb({"type": "commit", "fill_id": 1, "ok": [1, 2, 3]})]
     frames = bad + [rng.randbytes(rng.randrange(1, 64)) for _ in range(300)]
     for frame in frames:
         sock.send_multipart([b"", frame])
@@ -184,6 +193,7 @@ def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(r
         assert client.request(m.Lookup(pool="kv", keys=["a" * 64])).num_ready == 0
         with pytest.raises(ControlError, match="unknown pool 'nope'"):
             client.request(m.Lookup(pool="nope", keys=[]))
+    assert urllib.request.urlopen(info["endpoints"]["http"] + "/healthz", timeout=5).read() == b"ok\n"
     metrics = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
     rejected = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvcr_control_rejected_total")]
     assert rejected == [len(frames) + 1]

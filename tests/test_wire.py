@@ -43,19 +43,40 @@ def test_positional_events_from_older_publishers_decode():
     (msgpack.packb(["x", [], 0]), "ts must be a number"),
     (msgpack.packb([1.0, {}, 0]), "events must be an array"),
     (msgpack.packb([1.0, [], -1]), "dp_rank"),
-    (msgpack.packb([1.0, [{"type": "Bogus"}], 0]), "unknown event type"),
-    (msgpack.packb([1.0, [{"type": "BlockStored"}], 0]), "lacks field"),
-    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                           "token_ids": [1, 2], "block_size": 16}], 0]), "token_ids has 2 tokens"),
-    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [b"raw"], "parent_block_hash": None,
-                           "token_ids": [], "block_size": 16}], 0]), "64-bit integer"),
-    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "DRAM"}], 0]), "medium"),
-    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "ownership": "kvcr"}], 0]), "ownership"),
-    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1, 2.5]}], 0]), "64-bit integer"),
 ])
-def test_malformed_batches_are_rejected_naming_the_problem(payload, problem):
+def test_malformed_frames_are_rejected_naming_the_problem(payload, problem):
     with pytest.raises(ev.EventError, match=problem):
         ev.decode_batch(payload)
+
+
+@pytest.mark.parametrize("event,problem", [
+    ({"type": "Bogus"}, "unknown event type"),
+    ({"type": "BlockStored"}, "lacks field"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+      "block_size": 16}, "token_ids has 2 tokens"),
+    ({"type": "BlockStored", "block_hashes": [b"raw"], "parent_block_hash": None, "token_ids": [],
+      "block_size": 16}, "64-bit integer"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": 5,
+      "block_size": 1}, "malformed event"),
+    ({"type": "BlockRemoved", "block_hashes": [1], "medium": "DRAM"}, "medium"),
+    ({"type": "BlockRemoved", "block_hashes": [1], "ownership": "kvcr"}, "ownership"),
+    ({"type": "BlockRemoved", "block_hashes": [1, 2.5]}, "64-bit integer"),
+    ([["x"], 1], "unknown positional event type"),
+    ("text", "must be a map or an array"),
+])
+def test_a_malformed_event_is_dropped_with_its_reason_and_the_rest_kept(event, problem):
+    good = {"type": "AllBlocksCleared"}
+    batch = ev.decode_batch(msgpack.packb([1.0, [event, good], 0]))
+    assert batch.events == (ev.AllBlocksCleared(),)
+    assert len(batch.rejected) == 1 and problem in batch.rejected[0]
+
+
+def test_unmodelled_fields_of_relayed_events_are_kept_on_the_wire():
+    raw = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(17)),
+           "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1,
+           "kv_cache_spec_kind": "sliding_window", "extra_keys": [["s"]]}
+    event = ev.decode_event(raw)
+    assert event.to_wire() == raw  # EAGLE's extra token and the fields routers filter on survive
 
 
 @pytest.mark.parametrize("frames,problem", [([b"", b"\x00" * 7, b""], "8 bytes"), ([b""], "3 frames")])

@@ -12,7 +12,8 @@ from prometheus_client.core import CollectorRegistry
 
 
 class HttpServer:
-    def __init__(self, host: str, port: int, *, registry: CollectorRegistry, info: Callable[[], dict]) -> None:
+    def __init__(self, host: str, port: int, *, registry: CollectorRegistry, info: Callable[[], dict],
+                 health: Callable[[], list[str]]) -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -23,7 +24,9 @@ class HttpServer:
                 elif path == "/info":
                     outer._send(self, 200, json.dumps(info()).encode(), "application/json")
                 elif path == "/healthz":
-                    outer._send(self, 200, b"ok\n", "text/plain")
+                    problems = health()
+                    body = ("\n".join(problems) if problems else "ok") + "\n"
+                    outer._send(self, 503 if problems else 200, body.encode(), "text/plain")
                 else:
                     outer._send(self, 404, b"not found\n", "text/plain")
 

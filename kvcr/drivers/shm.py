@@ -98,7 +98,11 @@ class Region:
         os.close(fd)
         region = cls(path, size, mm, owner=True)
         if lock_memory:
-            region._lock()
+            try:
+                region._lock()
+            except RegionError:
+                region.close()
+                raise
         return region
 
     @classmethod

@@ -16,10 +16,20 @@ import zmq
 from ..proto import messages as m
 from ..proto.announce import Announce
 from ..proto.claims import ClaimError
-from ..proto.pool import PoolError
+from ..proto.pool import Page, PoolError
 
 log = logging.getLogger(__name__)
 SNAPSHOT_CHUNK = 4096
+MAX_LEASE_S = 3600.0
+MAX_PID = 1 << 22  # Linux pid_max ceiling
+OFFSET_PRESENT = -1    # Reserved.offsets: the page is stored already
+OFFSET_IN_FLIGHT = -2  # Reserved.offsets: another writer is storing it (it may still fail)
+
+
+def _check_lease(lease_s: float) -> None:
+    """0 means the runner's default; anything else must be a sane, finite duration."""
+    if not (lease_s == 0 or 0 < lease_s <= MAX_LEASE_S):
+        raise m.ProtocolError(f"lease_s {lease_s!r} must be 0 (default) or in (0, {MAX_LEASE_S}]")
 
 
 class ControlServer:
@@ -46,6 +56,11 @@ class ControlServer:
         if not self._ready.wait(timeout) or self._error is not None:
             raise RuntimeError(f"control socket failed to start: {self._error}")
 
+    def health(self) -> str:
+        if self._error is not None:
+            return f"control socket failed: {self._error!r}"
+        return "" if self._thread.is_alive() or self._stop.is_set() else "control thread is gone"
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
@@ -66,6 +81,9 @@ class ControlServer:
             while not self._stop.is_set():
                 if sock.poll(100):
                     self._serve_one(sock)
+        except BaseException as exc:  # reported by health()
+            self._error = exc
+            log.exception("control socket stopped")
         finally:
             sock.close()
 
@@ -93,6 +111,9 @@ class ControlServer:
             reply = m.Error(code="claim", message=str(exc))
         except (PoolError, ValueError) as exc:
             reply = m.Error(code=type(exc).__name__, message=str(exc))
+        except Exception as exc:  # a bug must cost one request, never the control thread
+            log.exception("control request failed")
+            reply = m.Error(code="internal", message=f"{type(exc).__name__}: {exc}")
         if isinstance(reply, m.Error):
             self.num_rejected += 1
         reply = replace(reply, request_id=request_id, incarnation=self.runner.incarnation)
@@ -118,27 +139,30 @@ class ControlServer:
         return m.Removed(num_removed=self.runner.remove(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
 
     def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
+        _check_lease(msg.lease_s)
+        if not 0 <= msg.writer_pid <= MAX_PID:
+            raise m.ProtocolError(f"reserve.writer_pid {msg.writer_pid} is not a process id")
         announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
         if announces is not None and len(announces) != len(msg.keys):
             raise m.ProtocolError(f"reserve has {len(msg.keys)} keys but {len(announces)} announces")
         fill = self.runner.reserve(msg.pool, [self._key(msg.pool, k) for k in msg.keys], announces, owner=owner,
                                    lease_s=msg.lease_s or None, writer_pid=msg.writer_pid)
-        offsets = [-1 if p is None else self.runner.offset(msg.pool, p.slot) for p in fill.pages]
+        offsets = [self.runner.offset(msg.pool, p.slot) if isinstance(p, Page) else
+                   OFFSET_PRESENT if p is None else OFFSET_IN_FLIGHT for p in fill.pages]
         return m.Reserved(fill_id=fill.fill_id, offsets=offsets)
 
     def _on_commit(self, msg: m.Commit, owner: str) -> m.Message:
         return m.Committed(num_committed=self.runner.commit(msg.fill_id, msg.ok or None, owner=owner))
 
     def _on_claim(self, msg: m.ClaimRequest, owner: str) -> m.Message:
+        _check_lease(msg.lease_s)
         claim = self.runner.claim(msg.pool, [self._key(msg.pool, k) for k in msg.keys], owner=owner,
                                   lease_s=msg.lease_s or None)
-        return m.Granted(claim_id=claim.claim_id if claim.pages else 0,
-                         offsets=[self.runner.offset(msg.pool, p.slot) for p in claim.pages],
-                         generations=[p.generation for p in claim.pages], deadline_s=claim.lease_s)
+        return m.Granted(claim_id=claim.claim_id, offsets=[self.runner.offset(msg.pool, p.slot) for p in claim.pages],
+                         generations=[p.generation for p in claim.pages], lease_s=claim.lease_s)
 
     def _on_renew(self, msg: m.Renew, owner: str) -> m.Message:
-        self.runner.renew(msg.claim_id, owner=owner)
-        return m.Renewed(lease_s=self.runner.cfg.runner.lease_seconds)
+        return m.Renewed(lease_s=self.runner.renew(msg.claim_id, owner=owner).lease_s)
 
     def _on_release(self, msg: m.ReleaseRequest, owner: str) -> m.Message:
         return m.Released(live=list(self.runner.release(msg.claim_id, owner=owner).live))

@@ -137,19 +137,31 @@ class EventPublisher:
         poller = zmq.Poller()
         poller.register(replay, zmq.POLLIN)
         try:
-            while True:
-                self._drain(pub)
-                if self._stop.is_set():
-                    break
-                if poller.poll(timeout=2 if not self._wake.is_set() else 0):
-                    self._serve_replay(replay)
-                self._wake.wait(0.002)
-                if self.heartbeat_s and time.monotonic() - self._last_publish >= self.heartbeat_s:
-                    self.publish([])
+            self._loop(pub, replay, poller)
+        except BaseException as exc:  # reported by health(); the runner keeps serving pages
+            self._error = exc
+            log.exception("event publisher stopped")
         finally:
             self._drain(pub)
             pub.close()
             replay.close()
+
+    def health(self) -> str:
+        """Empty when publishing works, else what is wrong."""
+        if self._error is not None:
+            return f"event publisher failed: {self._error!r}"
+        return "" if self._thread.is_alive() or self._stop.is_set() else "event publisher thread is gone"
+
+    def _loop(self, pub: zmq.Socket, replay: zmq.Socket, poller: zmq.Poller) -> None:
+        while True:
+            self._drain(pub)
+            if self._stop.is_set():
+                return
+            if poller.poll(timeout=2 if not self._wake.is_set() else 0):
+                self._serve_replay(replay)
+            self._wake.wait(0.002)
+            if self.heartbeat_s and time.monotonic() - self._last_publish >= self.heartbeat_s:
+                self.publish([])
 
     def _drain(self, pub: zmq.Socket) -> None:
         self._wake.clear()

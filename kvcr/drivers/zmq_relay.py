@@ -11,7 +11,9 @@ import threading
 
 import zmq
 
-from ..proto.events import REPLAY_END_SEQ, EventBatch, EventError, decode_frames, encode_seq
+from router_hints.replay import ReplayAnswer, fetch_replay
+
+from ..proto.events import EventError, decode_frames
 from ..proto.relay import EngineMirror, RelayStep
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class EngineRelay:
         self.num_malformed = 0
         self.num_problems = 0
         self.rebuilt_complete: bool | None = None
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcr-engine-relay", daemon=True)
 
@@ -44,25 +47,34 @@ class EngineRelay:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(self.endpoint)
         try:
+            sub.connect(self.endpoint)
             if self.replay_endpoint:
                 self._rebuild()
             while not self._stop.is_set():
                 if sub.poll(100):
                     self._on_frames(sub.recv_multipart())
+        except BaseException as exc:  # reported by health()
+            self.error = exc
+            log.exception("engine relay stopped")
         finally:
             sub.close()
 
+    def health(self) -> str:
+        if self.error is not None:
+            return f"engine relay failed: {self.error!r}"
+        return "" if self._thread.is_alive() or self._stop.is_set() else "engine relay thread is gone"
+
     def _rebuild(self) -> None:
         """After our own (re)start: learn what the engine holds from its replay buffer."""
-        batches = self._replay(0)
-        if batches is None:
+        answer = self._replay(0)
+        if answer is None:
             return
-        self.rebuilt_complete = self.mirror.rebuild(batches)
-        if self.rebuilt_complete:
-            self.runner.relay(RelayStep(events=tuple(self.mirror.inventory())))
-        else:
+        with self.runner.lock:
+            self.rebuilt_complete = self.mirror.rebuild(answer.batches)
+            if self.rebuilt_complete:
+                self.runner.relay(RelayStep(events=tuple(self.mirror.inventory())))
+        if not self.rebuilt_complete:
             log.warning("engine replay no longer starts at seq 0: its blocks are announced again only as "
                         "the engine re-stores them")
 
@@ -73,13 +85,18 @@ class EngineRelay:
             self.num_malformed += 1
             log.warning("malformed engine batch dropped: %s", exc)
             return
-        step = self.mirror.on_batch(seq, batch)
-        if step.replay_from >= 0:
-            replayed = self._replay(step.replay_from) or []
-            for replay_step in self.mirror.on_replayed(replayed, step.replay_from):
+        self.num_malformed += len(batch.rejected)
+        # The mirror changes under the runner lock, so a snapshot sees it and our pages together.
+        with self.runner.lock:
+            step = self.mirror.on_batch(seq, batch)
+            if step.replay_from < 0:
+                self._apply(step)
+                return
+        answer = self._replay(step.replay_from)  # network I/O: outside the lock
+        with self.runner.lock:
+            for replay_step in self.mirror.after_replay(answer.batches if answer else (), step.replay_from, seq,
+                                                         batch):
                 self._apply(replay_step)
-            step = self.mirror.on_batch(seq, batch)  # STALE if replay already covered it
-        self._apply(step)
 
     def _apply(self, step: RelayStep) -> None:
         if step.problem:
@@ -89,28 +106,11 @@ class EngineRelay:
             self.runner.relay(step)
             self.num_relayed += 1
 
-    def _replay(self, start: int) -> list[tuple[int, EventBatch]] | None:
+    def _replay(self, start: int) -> ReplayAnswer | None:
         if not self.replay_endpoint:
             return None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.replay_endpoint)
-        out: list[tuple[int, EventBatch]] = []
-        try:
-            sock.send_multipart([b"", encode_seq(start)])
-            while sock.poll(self.replay_timeout_ms):
-                frames = sock.recv_multipart()
-                if len(frames) != 4:
-                    continue
-                if frames[2] == REPLAY_END_SEQ:
-                    return out
-                try:
-                    _, seq, batch = decode_frames(frames[1:])
-                except EventError:
-                    self.num_malformed += 1
-                    continue
-                out.append((seq, batch))
+        answer = fetch_replay(self._ctx, self.replay_endpoint, start, self.replay_timeout_ms)
+        self.num_malformed += answer.num_malformed
+        if not answer.complete:
             log.warning("engine replay from %d timed out", start)
-            return out
-        finally:
-            sock.close()
+        return answer

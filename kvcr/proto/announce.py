@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .events import EventError, require_hash, require_optional_str
 from .keys import event_hashes
 
 
@@ -18,11 +19,24 @@ class Announce:
     lora_name: str | None = None
     cache_salt: str | None = None
 
+    def __post_init__(self) -> None:
+        require_hash("event_hash", self.event_hash)
+        if self.parent_hash is not None:
+            require_hash("parent_hash", self.parent_hash)
+            if self.parent_hash == self.event_hash:
+                raise EventError("a page cannot be its own parent")
+        if not isinstance(self.token_ids, tuple) or not all(type(t) is int and t >= 0 for t in self.token_ids):
+            raise EventError("token_ids must be non-negative integers")
+        require_optional_str("lora_name", self.lora_name)
+        require_optional_str("cache_salt", self.cache_salt)
+
     def to_wire(self) -> list:
         return [self.event_hash, self.parent_hash, list(self.token_ids), self.lora_name, self.cache_salt]
 
     @classmethod
-    def from_wire(cls, raw: list) -> "Announce":
+    def from_wire(cls, raw: object) -> "Announce":
+        if not isinstance(raw, list) or len(raw) != 5 or not isinstance(raw[2], list):
+            raise EventError("an announce is [event_hash, parent_hash, [token ids], lora_name, cache_salt]")
         event_hash, parent, tokens, lora_name, cache_salt = raw
         return cls(event_hash=event_hash, parent_hash=parent, token_ids=tuple(tokens), lora_name=lora_name,
                    cache_salt=cache_salt)

@@ -2,15 +2,20 @@
 
 A claim pins pages of one pool against eviction until released or until its lease expires.
 A fill reservation is the writer's twin: slots held FILLING until committed, aborted or expired.
+An expired claim leaves a tombstone, so its late release still learns which pages stayed intact.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .announce import Announce
-from .pool import Page, PagePool, PoolError
+from .pool import InFlight, Page, PagePool, PoolError
+
+TOMBSTONES = 4096
 
 
 class ClaimError(Exception):
@@ -36,7 +41,7 @@ class Fill:
     fill_id: int
     owner: str
     pool: PagePool
-    pages: list[Page | None]
+    pages: list[Page | InFlight | None]
     lease_s: float
     deadline: float
     writer_pid: int = 0  # a same-host writer; while it lives its slots are never reused
@@ -44,10 +49,11 @@ class Fill:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """Per page: True when the bytes stayed in place for the whole claim."""
+    """Per page: True when the slot still holds the claimed bytes (same generation, not reused)."""
 
     claim_id: int
     live: tuple[bool, ...]
+    expired: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +69,15 @@ class ClaimTable:
     max_claim_fraction: float = 0.5
     _claims: dict[int, Claim] = field(default_factory=dict)
     _fills: dict[int, Fill] = field(default_factory=dict)
+    _tombstones: OrderedDict[int, Claim] = field(default_factory=OrderedDict)
+    _deadlines: list[tuple[float, int]] = field(default_factory=list)  # heap; stale entries skipped
     _next_id: int = 1
     num_expired_claims: int = 0
     num_expired_fills: int = 0
 
-    def _new_id(self) -> int:
+    def _new_id(self, deadline: float) -> int:
         self._next_id += 1
+        heapq.heappush(self._deadlines, (deadline, self._next_id - 1))
         return self._next_id - 1
 
     # --- read claims ---------------------------------------------------------------------------
@@ -81,46 +90,44 @@ class ClaimTable:
             raise ClaimLimit(f"pool {pool.name!r}: {pool.num_claimed} of {pool.capacity} pages already "
                              f"claimed (max_claim_fraction {self.max_claim_fraction})")
         pages = pool.pin_prefix(keys, min(available, max(budget, 0)))
-        claim = Claim(self._new_id(), owner, pool, pages, lease_s, now + lease_s)
-        if pages:
-            self._claims[claim.claim_id] = claim
+        if not pages:
+            return Claim(0, owner, pool, [], lease_s, now)
+        claim = Claim(self._new_id(now + lease_s), owner, pool, pages, lease_s, now + lease_s)
+        self._claims[claim.claim_id] = claim
         return claim
 
     def _owned(self, claim_id: int, owner: str) -> Claim:
         claim = self._claims.get(claim_id)
         if claim is None:
-            raise ClaimError(f"claim {claim_id} is not held (released or expired)")
+            raise ClaimError(f"claim {claim_id} is not held (released, or expired long ago)")
         if claim.owner != owner:
             raise ClaimError(f"claim {claim_id} belongs to {claim.owner!r}, not {owner!r}")
         return claim
 
-    def renew(self, claim_id: int, *, owner: str, now: float) -> float:
+    def renew(self, claim_id: int, *, owner: str, now: float) -> Claim:
         claim = self._owned(claim_id, owner)
         claim.deadline = now + claim.lease_s
-        return claim.deadline
+        heapq.heappush(self._deadlines, (claim.deadline, claim_id))
+        return claim
 
     def release(self, claim_id: int, *, owner: str) -> Release:
+        """End a claim. After expiry this still answers (from a tombstone) with live flags."""
+        tomb = self._tombstones.get(claim_id)
+        if tomb is not None and tomb.owner == owner and claim_id not in self._claims:
+            del self._tombstones[claim_id]
+            return Release(claim_id, tuple(tomb.pool.is_live(p) for p in tomb.pages), expired=True)
         claim = self._owned(claim_id, owner)
         del self._claims[claim_id]
         live = tuple(claim.pool.is_live(p) for p in claim.pages)
         claim.pool.unpin(claim.pages)
         return Release(claim_id, live)
 
-    def release_owner(self, owner: str) -> int:
-        """Release everything `owner` holds (a peer that went away). Returns claims released."""
-        ids = [c.claim_id for c in self._claims.values() if c.owner == owner]
-        for claim_id in ids:
-            self.release(claim_id, owner=owner)
-        for fill_id in [f.fill_id for f in self._fills.values() if f.owner == owner]:
-            self.commit(fill_id, owner=owner, ok=None, abort=True)
-        return len(ids)
-
     # --- fill reservations ----------------------------------------------------------------------
 
     def reserve(self, pool: PagePool, keys: Sequence[str], announces: Sequence[Announce | None] | None, *,
                 owner: str, lease_s: float, now: float, writer_pid: int = 0) -> Fill:
         pages = pool.begin_fill(keys, announces)
-        fill = Fill(self._new_id(), owner, pool, pages, lease_s, now + lease_s, writer_pid)
+        fill = Fill(self._new_id(now + lease_s), owner, pool, pages, lease_s, now + lease_s, writer_pid)
         self._fills[fill.fill_id] = fill
         return fill
 
@@ -128,10 +135,9 @@ class ClaimTable:
         fill = self._fills.get(fill_id)
         if fill is None or fill.owner != owner:
             raise ClaimError(f"fill {fill_id} is not held by {owner!r} (committed, aborted or expired)")
+        n = fill.pool.commit_fill(fill.pages, [False] * len(fill.pages) if abort else ok)  # validates first
         del self._fills[fill_id]
-        if abort:
-            ok = [False] * len(fill.pages)
-        return fill.pool.commit_fill(fill.pages, ok)
+        return n
 
     # --- time ------------------------------------------------------------------------------------
 
@@ -141,24 +147,30 @@ class ClaimTable:
         A fill whose writer process is still alive is extended instead: aborting it would hand
         its slots to another page while the writer may still be copying into them.
         """
-        gone = [c for c in self._claims.values() if c.deadline <= now]
-        for claim in gone:
-            self.release(claim.claim_id, owner=claim.owner)
-        late = []
-        for fill in [f for f in self._fills.values() if f.deadline <= now]:
-            if fill.writer_pid and writer_alive(fill.writer_pid):
-                fill.deadline = now + fill.lease_s
-            else:
-                late.append(fill)
-        for fill in late:
-            self.commit(fill.fill_id, owner=fill.owner, ok=None, abort=True)
-        self.num_expired_claims += len(gone)
-        self.num_expired_fills += len(late)
-        return [c.claim_id for c in gone] + [f.fill_id for f in late]
+        gone = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, item_id = heapq.heappop(self._deadlines)
+            claim = self._claims.get(item_id)
+            if claim is not None and claim.deadline <= now:
+                self.release(item_id, owner=claim.owner)
+                self._tombstones[item_id] = claim
+                if len(self._tombstones) > TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+                self.num_expired_claims += 1
+                gone.append(item_id)
+            fill = self._fills.get(item_id)
+            if fill is not None and fill.deadline <= now:
+                if fill.writer_pid and writer_alive(fill.writer_pid):
+                    fill.deadline = now + fill.lease_s
+                    heapq.heappush(self._deadlines, (fill.deadline, item_id))
+                    continue
+                self.commit(item_id, owner=fill.owner, ok=None, abort=True)
+                self.num_expired_fills += 1
+                gone.append(item_id)
+        return gone
 
     def next_deadline(self) -> float | None:
-        deadlines = [c.deadline for c in self._claims.values()] + [f.deadline for f in self._fills.values()]
-        return min(deadlines, default=None)
+        return self._deadlines[0][0] if self._deadlines else None
 
     def statistics(self) -> ClaimStats:
         return ClaimStats(len(self._claims), len(self._fills), self.num_expired_claims, self.num_expired_fills)

@@ -36,10 +36,6 @@ class FetchHint:
         if self.mode not in MODES:
             raise HintError(f"mode must be one of {MODES}, got {self.mode!r}")
 
-    @property
-    def hash_set(self) -> frozenset[int]:
-        return frozenset(self.block_hashes)
-
 
 def _require_u64_list(values: Any) -> None:
     if not isinstance(values, (list, tuple)) or not values:
@@ -96,7 +92,8 @@ def extract_request_hint(body: dict) -> Any | None:
             return params["kv_hint"]
         if params.get("router_hint") is not None:
             return params["router_hint"]
-    extra = (body.get("sampling_params") or {}).get("extra_args") or {}
+    sampling = body.get("sampling_params")
+    extra = sampling.get("extra_args") if isinstance(sampling, dict) else None
     nested = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
     if isinstance(nested, dict) and nested.get("kv_hint") is not None:
         return nested["kv_hint"]

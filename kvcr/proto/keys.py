@@ -10,7 +10,7 @@ import hashlib
 import struct
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 U64_MASK = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
@@ -149,9 +149,9 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model:
             raise KeyFormatError("namespace.model must be a non-empty string")
-        for name in ("tp_size", "pp_size", "page_size"):
-            if getattr(self, name) < 1:
-                raise KeyFormatError(f"namespace.{name} must be >= 1, got {getattr(self, name)}")
+        for name, value in (("tp_size", self.tp_size), ("pp_size", self.pp_size), ("page_size", self.page_size)):
+            if value < 1:
+                raise KeyFormatError(f"namespace.{name} must be >= 1, got {value}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise KeyFormatError(f"namespace.tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         if not 0 <= self.pp_rank < self.pp_size:
@@ -180,12 +180,3 @@ def storage_key(page_hex: str, namespace_digest: str) -> str:
     if len(page_hex) != 64 or any(c not in "0123456789abcdef" for c in page_hex):
         raise KeyFormatError(f"page hash must be 64 lowercase hex digits, got {page_hex!r}")
     return f"{page_hex}.{namespace_digest}"
-
-
-def chain_pairs(hashes: Iterable[int], parent: int | None) -> list[tuple[int, int | None]]:
-    """(hash, parent) for each hash of a chain that continues from `parent`."""
-    out = []
-    for h in hashes:
-        out.append((h, parent))
-        parent = h
-    return out

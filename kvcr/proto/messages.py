@@ -139,7 +139,7 @@ class Granted(Message):
     claim_id: int = 0
     offsets: list = field(default_factory=list)
     generations: list = field(default_factory=list)
-    deadline_s: float = 0.0
+    lease_s: float = 0.0
 
 
 @_msg
@@ -204,7 +204,8 @@ def decode(payload: bytes) -> Message:
         raise ProtocolError(f"not msgpack: {exc}") from None
     if not isinstance(raw, dict):
         raise ProtocolError(f"a control message must be a map, got {type(raw).__name__}")
-    cls = _REGISTRY.get(raw.pop("type", None))
+    kind = raw.pop("type", None)
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown or missing message type", code="unknown_type")
     hints = get_type_hints(cls)

@@ -38,15 +38,25 @@ class State(enum.Enum):
     DISCARDING = "discarding"
 
 
+class InFlight:
+    """Sentinel from begin_fill: another fill is writing this key right now."""
+
+    def __repr__(self) -> str:
+        return "IN_FLIGHT"
+
+
+IN_FLIGHT = InFlight()
+
+
 class Page:
-    __slots__ = ("key", "slot", "state", "generation", "claims", "announce")
+    __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce")
 
     def __init__(self, key: str, slot: int, generation: int, announce: Announce | None) -> None:
         self.key = key
         self.slot = slot
         self.state = State.FILLING
         self.generation = generation
-        self.claims = 0
+        self.num_claims = 0
         self.announce = announce
 
 
@@ -124,27 +134,33 @@ class PagePool:
     # --- filling ---------------------------------------------------------------------------
 
     def begin_fill(self, keys: Sequence[str], announces: Sequence[Announce | None] | None = None
-                   ) -> list[Page | None]:
-        """Reserve a slot per new key (None for keys already present); all or nothing.
+                   ) -> list[Page | InFlight | None]:
+        """Reserve a slot per new key; all or nothing. Per key: the new FILLING page, None if the
+        page is READY already, IN_FLIGHT if another fill is writing it (it may still fail).
 
         Raises PoolExhausted, naming the pool, when even eviction cannot make room.
         """
         if announces is not None:
+            if len(announces) != len(keys):
+                raise PageSizeError(f"pool {self.name!r}: {len(keys)} keys but {len(announces)} announces")
             self._check_announces(announces)
         wanted = dict.fromkeys(keys)
         new = [k for k in wanted if k not in self._pages]
         shortfall = len(new) - len(self._free)
-        if shortfall > 0 and self._evict(shortfall, protect=wanted) < shortfall:
-            raise PoolExhausted(f"pool {self.name!r} is full: {len(new)} pages needed, {len(self._free)} free, "
-                                f"{self.num_claimed} claimed, {self.num_filling} filling")
+        if shortfall > 0:
+            if self._num_evictable(shortfall, protect=wanted) < shortfall:  # all or nothing: check first
+                raise PoolExhausted(f"pool {self.name!r} is full: {len(new)} pages needed, {len(self._free)} free, "
+                                    f"{self.num_claimed} claimed, {self.num_filling} filling")
+            self._evict(shortfall, protect=wanted)
         position = {k: i for i, k in enumerate(keys)}
-        made: dict[str, Page] = {}
+        made: dict[str, Page | InFlight] = {k: IN_FLIGHT for k in wanted if k in self._pages
+                                            and self._pages[k].state is State.FILLING}
         for key in new:
             slot = self._free.pop()
             self._generation[slot] += 1
             announce = announces[position[key]] if announces else None
             made[key] = self._pages[key] = Page(key, slot, self._generation[slot], announce)
-        self.num_filling += len(made)
+        self.num_filling += len(new)
         return [made.pop(k, None) for k in keys]
 
     def _check_announces(self, announces: Sequence[Announce | None]) -> None:
@@ -153,11 +169,13 @@ class PagePool:
                 raise PageSizeError(f"pool {self.name!r}: a page announces {len(a.token_ids)} token ids, "
                                     f"block_size is {self.block_size}")
 
-    def commit_fill(self, pages: Iterable[Page | None], ok: Sequence[bool] | None = None) -> int:
+    def commit_fill(self, pages: Sequence[Page | InFlight | None], ok: Sequence[bool] | None = None) -> int:
         """Publish filled pages (READY + BlockStored) and free failed ones. Returns pages committed."""
+        if ok is not None and (len(ok) != len(pages) or not all(isinstance(x, bool) for x in ok)):
+            raise PageSizeError(f"pool {self.name!r}: commit needs one bool per page ({len(pages)}), got {ok!r}")
         committed: list[Page] = []
         for i, page in enumerate(pages):
-            if page is None:
+            if not isinstance(page, Page):
                 continue
             assert page.state is State.FILLING, f"commit of page {page.key} in state {page.state}"
             self.num_filling -= 1
@@ -182,13 +200,13 @@ class PagePool:
 
     def touch(self, keys: Sequence[str]) -> None:
         """Mark a chain as used: the head becomes most recent, the tail stays older."""
-        self._touch_chain([p for p in (self._pages.get(k) for k in keys) if p is not None and p.claims == 0
+        self._touch_chain([p for p in (self._pages.get(k) for k in keys) if p is not None and p.num_claims == 0
                            and p.state is State.READY])
 
     def _touch_chain(self, pages: Sequence[Page]) -> None:
         lru = self._lru
         for page in reversed(pages):
-            if page.claims == 0:
+            if page.num_claims == 0:
                 lru[page.key] = None
                 lru.move_to_end(page.key)
 
@@ -199,19 +217,19 @@ class PagePool:
             page = self.get(key)
             if page is None:
                 break
-            if page.claims == 0:
+            if page.num_claims == 0:
                 self._lru.pop(key, None)
                 self.num_claimed += 1
-            page.claims += 1
+            page.num_claims += 1
             pinned.append(page)
         return pinned
 
     def unpin(self, pages: Iterable[Page]) -> None:
         released = []
         for page in pages:
-            assert page.claims > 0, f"unpin of unclaimed page {page.key}"
-            page.claims -= 1
-            if page.claims:
+            assert page.num_claims > 0, f"unpin of unclaimed page {page.key}"
+            page.num_claims -= 1
+            if page.num_claims:
                 continue
             self.num_claimed -= 1
             if page.state is State.DISCARDING:
@@ -251,7 +269,7 @@ class PagePool:
         self._lru.pop(page.key, None)
         if page.announce is not None and self._by_event_hash.get(page.announce.event_hash) == page.key:
             del self._by_event_hash[page.announce.event_hash]
-        if page.claims:
+        if page.num_claims:
             page.state = State.DISCARDING
             self._discarding[page.slot] = page
         else:
@@ -260,6 +278,15 @@ class PagePool:
     def _free_slot(self, slot: int) -> None:
         self._generation[slot] += 1
         self._free.append(slot)
+
+    def _num_evictable(self, n: int, protect: dict | set) -> int:
+        """How many of the oldest unclaimed READY pages outside `protect` exist, counting up to n."""
+        found = 0
+        for key in self._lru:
+            if found >= n:
+                break
+            found += key not in protect
+        return found
 
     def _evict(self, n: int, protect: dict | set = frozenset()) -> int:
         """Evict up to n unclaimed READY pages, oldest first, never one in `protect`."""

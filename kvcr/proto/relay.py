@@ -7,10 +7,10 @@ engine's GPU/host events and the runner's DRAM/NVMe events must share one stream
 - in-order engine batches are forwarded as they are (block_size checked against ours);
 - an engine `AllBlocksCleared` also wipes the runner's tiers at the router: it is forwarded as
   a resync (the clear, then our inventory), followed by the batch's later events;
-- an engine restart (its seq goes back) means its blocks are gone: clear, re-announce ours;
+- an engine restart (its seq goes back) means its blocks are gone: resync;
 - a gap is replayed from the engine's replay socket; if replay cannot fill it the mirror is no
-  longer trustworthy, so we clear and re-announce only our own tiers (forgetting engine blocks
-  until the engine announces them again, rather than keeping blocks that may be gone);
+  longer trustworthy, so we resync with only our own tiers (forgetting engine blocks until the
+  engine announces them again, rather than keeping blocks that may be gone);
 - a restarted runner rebuilds the mirror by replaying the engine's stream from seq 0, and
   re-announces it only if the engine's buffer still starts at 0 (nothing was missed).
 """
@@ -32,16 +32,14 @@ class RelayStep:
 
     events: tuple[Event, ...] = ()
     resync: bool = False
-    replay_from: int = -1  # >= 0: ask the engine's replay socket from this seq first
+    replay_from: int = -1  # >= 0: ask the engine's replay socket from this seq, then call after_replay
     problem: str = ""      # non-empty: something worth counting and logging
 
 
 @dataclass
 class _Block:
     parent: int | None
-    tokens: tuple[int, ...]
-    lora_name: str | None
-    cache_salt: str | None
+    event: BlockStored  # the single-block event to re-announce (keeps the engine's extra fields)
     count: int = 1
 
 
@@ -51,12 +49,10 @@ class EngineMirror:
     tracker: StreamTracker = field(default_factory=StreamTracker)
     # (medium, hash) -> block, in the order stored: parents come before children.
     blocks: dict[tuple[str | None, int], _Block] = field(default_factory=dict)
-    num_wrong_block_size: int = 0
 
     def on_batch(self, seq: int, batch: EventBatch) -> RelayStep:
         clears = bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
-        verdict, gap_start = self.tracker.classify(seq, clears)
-        self.tracker.note(verdict, seq, gap_start)
+        verdict, gap_start = self.tracker.observe(seq, clears)
         if verdict is Verdict.STALE:
             return RelayStep()
         if verdict is Verdict.GAP:
@@ -67,19 +63,22 @@ class EngineMirror:
             return self._apply(batch, True, "engine restarted")
         return self._apply(batch, False)
 
-    def on_replayed(self, batches: Sequence[tuple[int, EventBatch]], gap_start: int) -> list[RelayStep]:
-        """Steps for the batches replay returned; a replay that misses the gap start resyncs."""
+    def after_replay(self, replayed: Sequence[tuple[int, EventBatch]], gap_start: int, seq: int,
+                     batch: EventBatch) -> list[RelayStep]:
+        """Steps for a gap: the replayed batches, then the batch that revealed it."""
+        plan = self.tracker.plan_replay([s for s, _ in replayed], gap_start, seq)
         steps = []
-        if not batches or batches[0][0] > gap_start:
+        if plan.lost is not None:
             self.blocks.clear()
-            steps.append(RelayStep(resync=True, problem="engine replay could not fill the gap"))
-            if batches:
-                self.tracker.advance(batches[0][0] - 1)
-        for seq, batch in batches:
-            if self.tracker.last is not None and seq <= self.tracker.last:
-                continue
-            self.tracker.advance(seq)
-            steps.append(self._apply(batch, False))
+            steps.append(RelayStep(resync=True, problem=f"engine batches [{plan.lost[0]}, {plan.lost[1]}) "
+                                                        "could not be replayed"))
+        wanted = set(plan.deliver)
+        for replayed_seq, replayed_batch in replayed:
+            if replayed_seq in wanted:
+                self.tracker.advance(replayed_seq, replayed=True)
+                steps.append(self._apply(replayed_batch, False))
+        self.tracker.advance(seq)
+        steps.append(self._apply(batch, False))
         return steps
 
     def rebuild(self, batches: Sequence[tuple[int, EventBatch]]) -> bool:
@@ -88,7 +87,7 @@ class EngineMirror:
         # An engine's buffer is empty only before its first batch; otherwise it must still hold seq 0.
         complete = not batches or batches[0][0] == 0
         for seq, batch in batches:
-            self.tracker.advance(seq)
+            self.tracker.advance(seq, replayed=True)
             self._apply(batch, False)
         if not complete:
             self.blocks.clear()
@@ -106,7 +105,6 @@ class EngineMirror:
         for event in events:
             if isinstance(event, BlockStored):
                 if event.block_size != self.block_size:
-                    self.num_wrong_block_size += 1
                     problem = (f"engine block_size {event.block_size} != runner.block_size {self.block_size}: "
                                "event not relayed")
                     continue
@@ -114,6 +112,8 @@ class EngineMirror:
             elif isinstance(event, BlockRemoved):
                 self._remove(event)
             out.append(event)
+        if batch.rejected:
+            problem = problem or f"{len(batch.rejected)} malformed engine events dropped: {batch.rejected[0]}"
         return RelayStep(tuple(out), resync, problem=problem)
 
     def _store(self, event: BlockStored) -> None:
@@ -125,7 +125,10 @@ class EngineMirror:
                 block.count += 1
             else:
                 tokens = event.token_ids[i * self.block_size:(i + 1) * self.block_size]
-                self.blocks[key] = _Block(parent, tuple(tokens), event.lora_name, event.cache_salt)
+                single = BlockStored(block_hashes=(h,), parent_block_hash=parent, token_ids=tokens,
+                                     block_size=self.block_size, medium=event.medium, lora_name=event.lora_name,
+                                     cache_salt=event.cache_salt, extra=event.extra)
+                self.blocks[key] = _Block(parent, single)
             parent = h
 
     def _remove(self, event: BlockRemoved) -> None:
@@ -140,6 +143,4 @@ class EngineMirror:
 
     def inventory(self) -> list[BlockStored]:
         """The engine's blocks as BlockStored events, parents first."""
-        return [BlockStored(block_hashes=(h,), parent_block_hash=b.parent, token_ids=b.tokens,
-                            block_size=self.block_size, medium=medium, lora_name=b.lora_name,
-                            cache_salt=b.cache_salt) for (medium, h), b in self.blocks.items()]
+        return [b.event for b in self.blocks.values()]
