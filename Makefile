@@ -3,12 +3,25 @@ PYTHON ?= python3
 VENV ?= .venv
 DYNAMO_VENV ?= .venv-dynamo
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
+# Real SGLang classes for the interop tests, installed the CPU way (shared/reference recipe):
+# torch pinned to the local CPU build so pip never resolves a multi-GB CUDA torch.
+TORCH := torch==2.13.0
+SGLANG := sglang==0.5.23
+SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow triton==3.9.0 starlette msgspec \
+	pydantic tqdm ipython aiohttp
 
-.PHONY: demo test setup dynamo-setup bench clean
+.PHONY: demo test setup sglang-setup dynamo-setup bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -e '.[test]'
+	touch $@
+
+$(VENV)/.sglang: $(VENV)/.installed
+	$(PIP) install '$(TORCH)'
+	$(PIP) download --no-deps '$(SGLANG)' -d $(VENV)/wheels
+	$(PIP) install --no-deps $(VENV)/wheels/sglang-0.5.23-*.whl
+	$(PIP) install $(SGLANG_DEPS) '$(TORCH)'
 	touch $@
 
 # Dynamo's runtime pins its own pydantic, so its indexer lives in a separate environment.
@@ -18,16 +31,18 @@ $(DYNAMO_VENV)/.installed:
 	touch $@
 
 setup: $(VENV)/.installed
+sglang-setup: $(VENV)/.sglang
 dynamo-setup: $(DYNAMO_VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/kvcr demo
 
-test: setup dynamo-setup
+test: setup sglang-setup dynamo-setup
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-bench: setup
+bench: sglang-setup
 	$(VENV)/bin/python bench/dram_pool.py
+	$(VENV)/bin/python bench/nvme.py
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info

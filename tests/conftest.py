@@ -96,3 +96,10 @@ def _no_stray_shm():
     yield
     leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvcr-")}
     assert not leaked, f"shared-memory regions left behind: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def indexer(tmp_path_factory):
+    """One Dynamo indexer for the whole session; each test registers its own model name."""
+    from tests.dynamo import start_indexer
+    yield from start_indexer(tmp_path_factory)

@@ -1,88 +1,17 @@
 """Our event stream consumed by an unmodified Dynamo 1.6.1 standalone indexer (ai-dynamo-runtime)."""
 
-import json
-import os
 import signal
-import socket
-import subprocess
 import time
-import uuid
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
-from tests.conftest import ROOT, wait_until
+from tests.conftest import wait_until
+from tests.dynamo import Registration, free_port
 from tests.test_service import BLOCK, pages_for
 
 pytestmark = pytest.mark.dynamo
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, {"error": exc.read().decode()}
-
-
-@pytest.fixture(scope="session")
-def indexer(tmp_path_factory):
-    python = os.environ.get("KVCR_DYNAMO_PYTHON", str(ROOT / ".venv-dynamo" / "bin" / "python"))
-    assert Path(python).exists(), f"Dynamo's indexer environment is missing ({python}); run `make dynamo-setup`"
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("indexer") / "indexer.log", "w")
-    proc = subprocess.Popen([python, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"],
-                            stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return urllib.request.urlopen(url + "/health", timeout=1).status == 200
-        except OSError:
-            return proc.poll() is not None and pytest.fail("indexer exited")
-
-    wait_until(healthy, 30, 0.2, "indexer /health")
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
-class Registration:
-    def __init__(self, indexer: str, info: dict) -> None:
-        self.indexer = indexer
-        self.model = f"kvcr-test-{uuid.uuid4().hex[:8]}"
-        self.instance_id = uuid.uuid4().int % 1_000_000  # the indexer keys workers by id across models
-        self.info = info
-
-    def register(self, info: dict) -> None:
-        self.info = info
-        status, body = _post(self.indexer + "/register", {
-            "instance_id": self.instance_id, "endpoint": info["endpoints"]["events"], "model_name": self.model,
-            "block_size": BLOCK, "dp_rank": info["dp_rank"], "replay_endpoint": info["endpoints"]["replay"]})
-        assert status == 201, body
-
-    def query(self, tokens: list[int]) -> dict:
-        status, body = _post(self.indexer + "/query", {"token_ids": tokens, "model_name": self.model})
-        return body.get("instances", {}).get(str(self.instance_id), {}) if status == 200 else {}
-
-    def wait_for(self, tokens, *, cpu: int, timeout_s: float = 20.0) -> dict:
-        return wait_until(lambda: (q := self.query(tokens)) and q.get("cpu", 0) == cpu and q or
-                          (cpu == 0 and not q.get("cpu") and {"cpu": 0}), timeout_s, 0.2, f"cpu == {cpu}")
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -114,8 +43,8 @@ def test_indexer_counts_stored_then_removed_dram_pages(indexer, runner_factory):
 
 def test_after_a_crash_and_restart_the_indexer_forgets_what_the_dead_runner_held(indexer, runner_factory):
     # Same endpoints across the restart, as a restarted pod would have: the indexer's SUB reconnects.
-    ports = {"events.endpoint": f"tcp://127.0.0.1:{_free_port()}",
-             "events.replay_endpoint": f"tcp://127.0.0.1:{_free_port()}"}
+    ports = {"events.endpoint": f"tcp://127.0.0.1:{free_port()}",
+             "events.replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
     proc = runner_factory(**{"dram.pools": [{"name": "kv", "page_bytes": 4096}], **ports})
     info = proc.start()
     reg = Registration(indexer, info)
@@ -147,8 +76,8 @@ def test_relayed_engine_and_runner_tiers_survive_either_side_restarting(indexer,
     from tests.test_relay import FakeEngine
 
     engine = FakeEngine()
-    ports = {"events.endpoint": f"tcp://127.0.0.1:{_free_port()}",
-             "events.replay_endpoint": f"tcp://127.0.0.1:{_free_port()}"}
+    ports = {"events.endpoint": f"tcp://127.0.0.1:{free_port()}",
+             "events.replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
     try:
         proc = runner_factory(**{"events.engine_endpoint": engine.pub.bound_endpoint,
                                  "events.engine_replay_endpoint": engine.pub.bound_replay_endpoint,

@@ -221,3 +221,11 @@ def test_promotion_refuses_a_corrupt_nvme_page(nvme_runner):
     path.write_bytes(raw)
     assert runner.get("kv", keys) == data[:1]
     assert runner.pools["kv"].statistics().num_ready == 1  # the bad page never became visible in DRAM
+
+
+def test_the_free_space_floor_refuses_writes_that_would_cross_it(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    t = Tier(tmp_path, min_free_space=free + (1 << 30))  # already below the floor
+    hexes, ann, data = chain(1)
+    assert t.tier.write(hexes, [memoryview(d) for d in data], ann) == [False]
+    assert t.tier.errors["ENOSPC"] == 1 and t.index.statistics().num_pages == 0

@@ -204,9 +204,11 @@ class DiskTier:
         self._unlink(victims)
         t0 = time.perf_counter()
         tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
+        created = False
         try:
             self._make_room(len(view))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
             try:
                 _pwrite_all(fd, view)
                 if self.fsync:
@@ -230,10 +232,11 @@ class DiskTier:
                 self.index.abort(name)
             return False
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            if created:
+                try:
+                    os.unlink(tmp)
+                except OSError as exc:  # e.g. the filesystem went read-only meanwhile
+                    self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
 
     def _make_room(self, size: int) -> None:
         if not self.min_free_space:

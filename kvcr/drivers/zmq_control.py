@@ -49,7 +49,8 @@ class ControlServer:
         self._thread = threading.Thread(target=self._run, name="kvcr-control", daemon=True)
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
-                          m.ReleaseRequest: self._on_release, m.Remove: self._on_remove}
+                          m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
+                          m.Persist: self._on_persist}
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
@@ -137,6 +138,11 @@ class ControlServer:
 
     def _on_remove(self, msg: m.Remove, owner: str) -> m.Message:
         return m.Removed(num_removed=self.runner.remove(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+
+    def _on_persist(self, msg: m.Persist, owner: str) -> m.Message:
+        if msg.pool not in self.runner.disks:
+            raise m.ProtocolError("this runner has no NVMe tier (nvme.storage_dir is not set)", code="no_nvme")
+        return m.Persisted(num_persisted=self.runner.persist(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
 
     def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
         _check_lease(msg.lease_s)

@@ -94,6 +94,21 @@ class Removed(Message):
 
 
 @_msg
+class Persist(Message):
+    """Write DRAM pages to the NVMe tier now (write-through)."""
+
+    TYPE = "persist"
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+
+
+@_msg
+class Persisted(Message):
+    TYPE = "persisted"
+    num_persisted: int = 0
+
+
+@_msg
 class Reserve(Message):
     TYPE = "reserve"
     pool: str = "kv"

@@ -1,0 +1,104 @@
+"""Runs one NVMe fault scenario for real, in a child process (see test_nvme_faults.py).
+
+    python -m tests.nvme_fault_child SCENARIO DIR RESULT_JSON [UNREACHABLE_DIR]
+
+enospc/erofs run inside `unshare -m` on a small tmpfs mounted at DIR; eacces drops to uid
+nobody first. The result is written to RESULT_JSON (never stdout).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+from kvcr.drivers.nvme import DiskError, DiskTier
+from kvcr.proto.disk_index import DiskIndex
+from kvcr.proto.keys import Namespace
+
+PAGE = 64 * 1024
+NS = Namespace(model="fault", page_size=4)
+
+
+def tier(root):
+    lock = threading.RLock()
+    index = DiskIndex(block_size=4)
+    return DiskTier(root, NS, page_bytes=PAGE, index=index, lock=lock, flush=lambda: None)
+
+
+def page(i):
+    return bytes([i % 251]) * PAGE
+
+
+def key(i):
+    return f"{i:064x}"
+
+
+def check_intact(t, n):
+    bufs = [bytearray(PAGE) for _ in range(n)]
+    got = t.read_into([key(i) for i in range(n)], [memoryview(b) for b in bufs])
+    return got == n and all(bytes(b) == page(i) for i, b in enumerate(bufs))
+
+
+def enospc(root):
+    t = tier(root)
+    stored = 0
+    for i in range(64):  # 4 MiB into a 1 MiB tmpfs
+        if not t.write([key(i)], [memoryview(page(i))])[0]:
+            break
+        stored += 1
+    failed_again = t.write([key(999)], [memoryview(page(999))])[0] is False
+    tmp_left = [n for n in os.listdir(t.dir) if n.endswith(".tmp")]
+    return {"stored": stored, "failed_again": failed_again, "errors": dict(t.errors),
+            "intact": check_intact(t, stored), "tmp_left": tmp_left}
+
+
+def erofs(root):
+    t = tier(root)
+    ok = t.write([key(i) for i in range(3)], [memoryview(page(i)) for i in range(3)])
+    subprocess.run(["mount", "-o", "remount,ro", root], check=True)
+    refused = t.write([key(7)], [memoryview(page(7))])
+    return {"before": ok, "refused": refused, "errors": dict(t.errors), "intact": check_intact(t, 3)}
+
+
+def eacces(root):
+    t = tier(root)  # created by root: the directory and its pages exist
+    t.write([key(i) for i in range(2)], [memoryview(page(i)) for i in range(2)])
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child becomes an unprivileged user and tries again
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            u = tier(root)
+            for i in range(2):
+                u.index.adopt(t.index.get(u.name(key(i))))
+            result = {"refused": u.write([key(5)], [memoryview(page(5))]), "errors": dict(u.errors),
+                      "intact": check_intact(u, 2)}
+            try:
+                tier(sys.argv[4])  # a directory this user cannot even reach
+                result["unusable"] = ""
+            except DiskError as exc:
+                result["unusable"] = str(exc)
+            os.write(write_end, json.dumps(result).encode())
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        raw = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, f"unprivileged child failed with status {status}"
+    return json.loads(raw)
+
+
+if __name__ == "__main__":
+    scenario, root, out = sys.argv[1:4]
+    result = {"enospc": enospc, "erofs": erofs, "eacces": eacces}[scenario](root)
+    with open(out, "w") as f:
+        json.dump(result, f)
