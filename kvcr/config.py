@@ -152,6 +152,7 @@ class NvmeConfig:
     spill: bool = True             # DRAM eviction writes pages to NVMe first
     promote: bool = True           # an NVMe hit is copied into DRAM before it is served
     stale_temp_age_s: float = 600.0
+    verify: str = "first_read"     # digest check: first read of each file, every read, or never
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,6 +249,8 @@ def _validate(cfg: Config) -> None:
              "need 0 < low <= high <= 1")
     _require(n.read_workers >= 1, f"nvme.read_workers = {n.read_workers} must be >= 1")
     _require(n.write_workers >= 1, f"nvme.write_workers = {n.write_workers} must be >= 1")
+    _require(n.verify in ("first_read", "always", "never"),
+             f"nvme.verify = {n.verify!r} must be one of first_read, always, never")
     _require(n.stale_temp_age_s >= 0, f"nvme.stale_temp_age_s = {n.stale_temp_age_s} must be >= 0")
 
 

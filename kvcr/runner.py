@@ -103,7 +103,8 @@ class Runner:
                           high_watermark=n.high_watermark, low_watermark=n.low_watermark)
         return DiskTier(n.storage_dir, layout.namespace, page_bytes=layout.page_bytes, index=index, lock=self.lock,
                         flush=self._flush_locked, read_workers=n.read_workers, write_workers=n.write_workers,
-                        fsync=n.fsync, min_free_space=n.min_free_space, stale_temp_age_s=n.stale_temp_age_s)
+                        fsync=n.fsync, min_free_space=n.min_free_space, stale_temp_age_s=n.stale_temp_age_s,
+                        verify=n.verify)
 
     # --- helpers -----------------------------------------------------------------------------
 

@@ -12,3 +12,11 @@ def test_dram_pool_bench_runs_and_checks_its_bytes():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| put") or line.startswith("| get")]
     assert len(rows) == 4
+
+
+def test_nvme_bench_runs_against_hicache_file_and_checks_its_bytes():
+    out = subprocess.run([sys.executable, "bench/nvme.py", "--quick", "--no-write"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 4

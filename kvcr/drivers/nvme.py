@@ -37,6 +37,7 @@ MANIFEST = "manifest.kvcr"
 FORMAT_FILE = "format.json"
 _RECORD = struct.Struct("<I")
 SCAN_BATCH = 1024
+VERIFY_MODES = ("first_read", "always", "never")
 
 
 class DiskError(RuntimeError):
@@ -72,7 +73,10 @@ class DiskTier:
     def __init__(self, root: str | Path, ns: Namespace, *, page_bytes: int, index: DiskIndex,
                  lock: threading.RLock, flush: Callable[[], None], read_workers: int = 4,
                  write_workers: int = 2, fsync: bool = False, min_free_space: int = 0,
-                 stale_temp_age_s: float = 600.0) -> None:
+                 stale_temp_age_s: float = 600.0, verify: str = "first_read") -> None:
+        if verify not in VERIFY_MODES:
+            raise DiskError(f"nvme.verify = {verify!r} must be one of {VERIFY_MODES}")
+        self.verify = verify
         self.dir = Path(root) / f"ns-{ns.digest}"
         self.namespace = ns
         self.suffix = hicache_suffix(ns)
@@ -94,6 +98,7 @@ class DiskTier:
         self._prepare_dir()
         self._readers = ThreadPoolExecutor(read_workers, thread_name_prefix="kvcr-nvme-read")
         self._writers = ThreadPoolExecutor(write_workers, thread_name_prefix="kvcr-nvme-write")
+        self._workers = {self._readers: read_workers, self._writers: write_workers}
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -178,9 +183,8 @@ class DiskTier:
     def write(self, page_hexes: Sequence[str], views: Sequence[memoryview],
               announces: Sequence[Announce | None] | None = None) -> list[bool]:
         """Publish pages (parallel); True per page that is on disk afterwards."""
-        futures = [self._writers.submit(self._write_one, self.name(h), v, announces[i] if announces else None)
-                   for i, (h, v) in enumerate(zip(page_hexes, views))]
-        results = [f.result() for f in futures]
+        results = self._fan_out(self._writers, self._write_one, [self.name(h) for h in page_hexes], list(views),
+                                list(announces) if announces else [None] * len(page_hexes))
         # Record and commit in chain order, in one step: parents are announced (and re-announced
         # after a restart, in manifest order) before their children.
         published = [r for r in results if isinstance(r, DiskEntry)]
@@ -192,6 +196,20 @@ class DiskTier:
                     self.index.commit(result.name, result)
         self.flush()
         return [r is not False for r in results]
+
+    def _fan_out(self, pool: ThreadPoolExecutor, fn: Callable, *columns: list) -> list:
+        """fn over the rows of `columns` on the pool, one contiguous chunk per worker (few hand-offs)."""
+        n = len(columns[0])
+        if n == 0:
+            return []
+        workers = min(self._workers[pool], n)
+        bounds = [n * i // workers for i in range(workers + 1)]
+
+        def chunk(lo: int, hi: int) -> list:
+            return [fn(*(col[i] for col in columns)) for i in range(lo, hi)]
+
+        futures = [pool.submit(chunk, bounds[i], bounds[i + 1]) for i in range(workers)]
+        return [r for f in futures for r in f.result()]
 
     def _write_one(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | bool:
         """The published entry (to commit), True if someone else holds the page, False on failure."""
@@ -213,6 +231,7 @@ class DiskTier:
                 _pwrite_all(fd, view)
                 if self.fsync:
                     os.fsync(fd)
+                st = os.fstat(fd)  # link() keeps the inode: these bytes are the digest's bytes
             finally:
                 os.close(fd)
             page_digest = digest(view)
@@ -224,7 +243,7 @@ class DiskTier:
                     self.index.abort(name)
                 return True
             self.write_latency.observe(time.perf_counter() - t0)
-            return DiskEntry(name, len(view), page_digest, announce)
+            return DiskEntry(name, len(view), page_digest, announce, (st.st_ino, st.st_mtime_ns))
         except OSError as exc:
             self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
             log.warning("nvme write of %s failed: %s", name, exc)
@@ -302,8 +321,7 @@ class DiskTier:
 
     def read_into(self, page_hexes: Sequence[str], buffers: Sequence[memoryview]) -> int:
         """Read pages into buffers (parallel); returns the leading run that arrived intact."""
-        futures = [self._readers.submit(self._read_one, self.name(h), b) for h, b in zip(page_hexes, buffers)]
-        ok = [f.result() for f in futures]
+        ok = self._fan_out(self._readers, self._read_one, [self.name(h) for h in page_hexes], list(buffers))
         self.flush()
         n = next((i for i, good in enumerate(ok) if not good), len(ok))
         with self.lock:
@@ -326,14 +344,20 @@ class DiskTier:
             self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
             return False
         try:
-            size = os.fstat(fd).st_size
-            got = _pread_all(fd, buf[:self.page_bytes]) if size == self.page_bytes else -1
+            st = os.fstat(fd)
+            got = _pread_all(fd, buf[:self.page_bytes]) if st.st_size == self.page_bytes else -1
         except OSError as exc:
             self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
             return False
         finally:
             os.close(fd)
-        if got != self.page_bytes or (entry.digest is not None and digest(buf[:self.page_bytes]) != entry.digest):
+        identity = (st.st_ino, st.st_mtime_ns)
+        check = entry.digest is not None and (self.verify == "always" or
+                                              (self.verify == "first_read" and entry.verified != identity))
+        intact = got == self.page_bytes and (not check or digest(buf[:self.page_bytes]) == entry.digest)
+        if intact and check:
+            entry.verified = identity
+        if not intact:
             log.warning("nvme page %s is truncated or corrupt: removed", name)
             with self.lock:
                 gone = self.index.remove([name], corrupt=True)

@@ -25,6 +25,9 @@ class DiskEntry:
     size: int
     digest: int | None        # None: written by another program (HiCacheFile), checked on size only
     announce: Announce | None
+    # (inode, mtime_ns) of the file once its bytes matched the digest. Page files are immutable
+    # (a new version is a new file), so an unchanged inode and mtime need no second check.
+    verified: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
