@@ -48,24 +48,25 @@ class ControlClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _recv(self, request_id: int) -> m.Message:
+    def _recv(self, request_id: int, timeout_ms: int | None = None) -> m.Message:
+        timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         while True:
-            if not self._sock.poll(self.timeout_ms):
+            if not self._sock.poll(timeout_ms):
                 # A late reply would be read as the answer to the next request: start afresh.
                 self._sock.close()
                 self._sock = self._connect()
-                raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_ms} ms")
+                raise TimeoutError(f"no reply from {self.endpoint} within {timeout_ms} ms")
             reply = m.decode(self._sock.recv_multipart()[-1])
             if reply.request_id == request_id:
                 if isinstance(reply, m.Error):
                     raise ControlError(reply.code, reply.message)
                 return reply
 
-    def request(self, msg: m.Message) -> m.Message:
+    def request(self, msg: m.Message, *, timeout_s: float | None = None) -> m.Message:
         request_id = next(self._ids)
         msg = replace(msg, request_id=request_id, incarnation=self.incarnation)
         self._sock.send_multipart([b"", m.encode(msg)])
-        return self._recv(request_id)
+        return self._recv(request_id, None if timeout_s is None else int(timeout_s * 1000))
 
     def info(self) -> dict:
         return self.request(m.InfoRequest()).info

@@ -162,6 +162,11 @@ class RunnerConfig:
     block_size: int = 16
     state_dir: str = ""
     lease_seconds: float = 10.0
+    max_claims_per_peer: int = 64
+    ucx: bool = True               # serve peers over UCX (register the DRAM region) and pull from them
+    pull_timeout_s: float = 5.0
+    pull_abandon_s: float = 5.0
+    peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
     control_endpoint: str = "tcp://127.0.0.1:0"
     http_host: str = "127.0.0.1"
     http_port: int = 0
@@ -205,6 +210,9 @@ def _validate(cfg: Config) -> None:
     _require(r.block_size >= 1, f"runner.block_size = {r.block_size} must be >= 1")
     _require(r.dp_rank >= 0, f"runner.dp_rank = {r.dp_rank} must be >= 0")
     _require(r.lease_seconds > 0, f"runner.lease_seconds = {r.lease_seconds} must be > 0")
+    _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
+    _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,
+             f"runner.pull_timeout_s = {r.pull_timeout_s} / runner.pull_abandon_s = {r.pull_abandon_s} must be > 0")
     _require(0 <= r.http_port < 65536, f"runner.http_port = {r.http_port} is not a port")
     _require(d.alignment > 0 and d.alignment & (d.alignment - 1) == 0,
              f"dram.alignment = {d.alignment} must be a power of two")

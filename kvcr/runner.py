@@ -6,6 +6,7 @@ are FILLING (invisible) or claimed (pinned), so a half-written page is never vis
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -29,6 +30,9 @@ from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_store
 
 class UnknownPool(PoolError):
     pass
+
+
+TIER_ABSENT, TIER_DRAM, TIER_NVME = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,7 @@ class Runner:
         name = region_name(cfg.runner.name, os.getpid(), self.incarnation[:8])
         self.region = Region.create(name, total, lock_memory=cfg.dram.lock_memory)
         self.view = self.region.view
+        self.region_address = self.region.address
         # With spilling on, DRAM watermarks are enforced by spill() (which writes pages to NVMe
         # first); the pool itself then only evicts when a fill finds no free slot.
         self.spilling = bool(cfg.nvme.storage_dir) and cfg.nvme.spill
@@ -86,13 +91,18 @@ class Runner:
         self.pools = {p.name: PagePool(p.name, page_bytes=p.page_bytes, num_slots=p.num_slots,
                                        block_size=cfg.runner.block_size, high_watermark=wm[0],
                                        low_watermark=wm[1]) for p in self.layouts.values()}
-        self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction)
+        self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction,
+                                 max_claims_per_owner=cfg.runner.max_claims_per_peer)
         self.lock = threading.RLock()
         self.disks: dict[str, DiskTier] = {}
         if cfg.nvme.storage_dir:
             self.disks = {p.name: self._disk_tier(p) for p in self.layouts.values()}
         self.num_spilled = 0
         self.num_promoted = 0
+        self.plane = None  # the UCX data plane, set by the service when peers are served
+        self.puller = None  # kvcr.peer.Puller, set with the plane
+        self.num_pulled = 0
+        self.num_uncertain = 0
         self._publish = publish or (lambda events: 0)
         self.hits = 0
         self.misses = 0
@@ -189,6 +199,14 @@ class Runner:
         with self.lock:
             return self.pool(pool).leading_ready(keys)
 
+    def tiers(self, pool: str, keys: Sequence[str]) -> list[int]:
+        """Per key: TIER_ABSENT, TIER_DRAM or TIER_NVME (DRAM wins when a page is in both)."""
+        p, disk = self.pool(pool), self.disks.get(pool)
+        with self.lock:
+            in_dram = [p.get(k) is not None for k in keys]
+            on_disk = [disk is not None and disk.name(k[:64]) in disk.index for k in keys]
+        return [TIER_DRAM if d else TIER_NVME if n else TIER_ABSENT for d, n in zip(in_dram, on_disk)]
+
     def claim(self, pool: str, keys: Sequence[str], *, owner: str = "local", lease_s: float | None = None) -> Claim:
         """Pin the leading present pages; NVMe pages right after the DRAM run are promoted first."""
         self._maybe_promote(pool, keys)
@@ -245,6 +263,35 @@ class Runner:
         with self.lock:
             self.num_promoted += committed
         return next((i for i, good in enumerate(ok) if not good), n)
+
+    def pull_from(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> int:
+        """Make the leading run of `page_hexes` local, pulling what we lack from the peer at
+        `endpoint` straight into fresh DRAM slots. Returns how many leading pages are now local."""
+        keys = [self.key(pool, h) for h in page_hexes]
+        with self.lock:
+            have = self.pool(pool).leading_ready(keys)
+        if have == len(keys) or self.puller is None:
+            return have
+        conf = self.puller.confirm(endpoint, pool, page_hexes[have:])
+        if conf is None:
+            return have
+        try:
+            fill = self.reserve(pool, keys[have:have + conf.num_pages], conf.announces, lease_s=math.inf)
+        except PoolError:
+            self.puller.release(conf)
+            return have
+        slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
+        result = self.puller.deliver(conf, [self.region_address + self.offset(pool, p.slot) for p in slots])
+        if result.uncertain:
+            # The source may still write into these slots: never hand them out again (quarantine).
+            with self.lock:
+                self.num_uncertain += len(slots)
+            return have
+        ok = [i < result.delivered for i in range(len(fill.pages))]
+        committed = self.commit(fill.fill_id, ok)
+        with self.lock:
+            self.num_pulled += committed
+            return self.pool(pool).leading_ready(keys)
 
     def spill(self, pool: str) -> int:
         """Evict DRAM down to the low watermark, writing pages NVMe lacks to NVMe first."""

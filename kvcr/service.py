@@ -31,6 +31,19 @@ class Service:
                                         queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir),
                                         heartbeat_s=ev.heartbeat_s)
         self.runner = Runner(cfg, publish=self.publisher.publish)
+        self.plane = None
+        if cfg.runner.ucx:
+            from .drivers.ucx_plane import UcxPlane  # loads libucx: only when peers are served
+
+            from .peer import Puller
+
+            self.plane = UcxPlane()
+            self.runner.plane = self.plane
+            trusted = None if "*" in cfg.runner.peers else frozenset(cfg.runner.peers)
+            self.runner.puller = Puller(self.plane, {name: lay.namespace.fields()
+                                                     for name, lay in self.runner.layouts.items()},
+                                        timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
+                                        trusted=trusted)
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot)
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
@@ -49,6 +62,8 @@ class Service:
 
     def start(self) -> "Service":
         self.publisher.start()
+        if self.plane is not None:
+            self.plane.register_region(self.runner.region.address, self.runner.region.size)
         self.runner.announce_start()
         self.runner.start_disk_scans()
         self._housekeeper.start()
@@ -83,7 +98,16 @@ class Service:
                               "replay": self.publisher.bound_replay_endpoint,
                               "control": self.control.bound_endpoint, "http": self.http.url},
                 "relays_engine": self.relay is not None,
+                "ucx": self._ucx_info(),
                 "topic": self.cfg.events.topic, **self.runner.info()}
+
+    def _ucx_info(self) -> dict | None:
+        """What a peer needs to GET our pages: worker address, region base and the packed rkeys."""
+        if self.plane is None:
+            return None
+        return {"address": self.plane.address.hex(), "region_base": self.runner.region.address,
+                "registered_bytes": self.plane.registered_bytes,
+                "rkeys": [[c.offset, c.length, c.rkey.hex()] for c in self.plane.chunks]}
 
     def stop(self) -> None:
         if self.stopped.is_set():
@@ -94,6 +118,9 @@ class Service:
         if self.relay is not None:
             self.relay.stop()
         self.http.stop()
+        if self.plane is not None:
+            self.runner.puller.close()
+            self.plane.close()
         self.runner.shutdown()  # publishes the removals before the publisher drains and closes
         self.publisher.stop()
         self.ctx.term()

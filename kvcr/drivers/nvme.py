@@ -297,16 +297,14 @@ class DiskTier:
     # --- reads ---------------------------------------------------------------------------------------
 
     def present(self, page_hexes: Sequence[str]) -> int:
-        """Leading run of pages on disk; unknown names are looked for on disk (another writer)."""
-        n = 0
-        for h in page_hexes:
-            name = self.name(h)
-            with self.lock:
-                known = name in self.index
-            if not known and not self._adopt_from_disk(name):
-                break
-            n += 1
-        return n
+        """Leading run of pages on disk. Names the index does not know (pages another program wrote,
+        or not scanned yet) are looked for on disk, in parallel on the read workers."""
+        names = [self.name(h) for h in page_hexes]
+        with self.lock:
+            known = [name in self.index for name in names]
+        unknown = [name for name, k in zip(names, known) if not k]
+        found = dict(zip(unknown, self._fan_out(self._readers, self._adopt_from_disk, unknown)))
+        return next((i for i, (name, k) in enumerate(zip(names, known)) if not (k or found[name])), len(names))
 
     def _adopt_from_disk(self, name: str) -> bool:
         try:

@@ -7,7 +7,9 @@ and goes back as an Error naming the problem.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -24,6 +26,9 @@ MAX_LEASE_S = 3600.0
 MAX_PID = 1 << 22  # Linux pid_max ceiling
 OFFSET_PRESENT = -1    # Reserved.offsets: the page is stored already
 OFFSET_IN_FLIGHT = -2  # Reserved.offsets: another writer is storing it (it may still fail)
+
+
+SLOW = (m.Pull, m.Persist)
 
 
 def _check_lease(lease_s: float) -> None:
@@ -47,10 +52,14 @@ class ControlServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvcr-control", daemon=True)
+        # Requests that wait on other peers or the disk run here, so this socket keeps answering
+        # (two runners pulling from each other must not wait on each other's control thread).
+        self._slow = ThreadPoolExecutor(4, thread_name_prefix="kvcr-control-slow")
+        self._done: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
                           m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
-                          m.Persist: self._on_persist}
+                          m.Persist: self._on_persist, m.Pull: self._on_pull}
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
@@ -63,6 +72,7 @@ class ControlServer:
         return "" if self._thread.is_alive() or self._stop.is_set() else "control thread is gone"
 
     def stop(self, timeout: float = 5.0) -> None:
+        self._slow.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
         self._thread.join(timeout)
 
@@ -80,8 +90,10 @@ class ControlServer:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                if sock.poll(100):
+                if sock.poll(5):
                     self._serve_one(sock)
+                while not self._done.empty():
+                    sock.send_multipart(self._done.get())
         except BaseException as exc:  # reported by health()
             self._error = exc
             log.exception("control socket stopped")
@@ -105,20 +117,38 @@ class ControlServer:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
+            if type(msg) in SLOW:
+                self._slow.submit(self._answer_later, ident, request_id, handler, msg)
+                return
             reply = handler(msg, msg.incarnation or ident.hex())
-        except m.ProtocolError as exc:
-            reply = m.Error(code=exc.code, message=str(exc))
-        except ClaimError as exc:
-            reply = m.Error(code="claim", message=str(exc))
-        except (PoolError, ValueError) as exc:
-            reply = m.Error(code=type(exc).__name__, message=str(exc))
-        except Exception as exc:  # a bug must cost one request, never the control thread
-            log.exception("control request failed")
-            reply = m.Error(code="internal", message=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            reply = self._error_reply(exc)
+        sock.send_multipart(self._frames(ident, request_id, reply))
+
+    def _answer_later(self, ident: bytes, request_id: int, handler, msg: m.Message) -> None:
+        try:
+            reply = handler(msg, msg.incarnation or ident.hex())
+        except Exception as exc:
+            reply = self._error_reply(exc)
+        self._done.put(self._frames(ident, request_id, reply))
+
+    def _frames(self, ident: bytes, request_id: int, reply: m.Message) -> list[bytes]:
         if isinstance(reply, m.Error):
             self.num_rejected += 1
         reply = replace(reply, request_id=request_id, incarnation=self.runner.incarnation)
-        sock.send_multipart([ident, b"", m.encode(reply)])
+        return [ident, b"", m.encode(reply)]
+
+    @staticmethod
+    def _error_reply(exc: Exception) -> m.Error:
+        """Every refusal names its problem; an unexpected exception costs one request, not the thread."""
+        if isinstance(exc, m.ProtocolError):
+            return m.Error(code=exc.code, message=str(exc))
+        if isinstance(exc, ClaimError):
+            return m.Error(code="claim", message=str(exc))
+        if isinstance(exc, (PoolError, ValueError)):
+            return m.Error(code=type(exc).__name__, message=str(exc))
+        log.error("control request failed", exc_info=exc)
+        return m.Error(code="internal", message=f"{type(exc).__name__}: {exc}")
 
     def _snapshot_parts(self, msg: m.SnapshotRequest) -> Iterator[m.SnapshotPart]:
         seq, events = self._snapshot()
@@ -134,10 +164,22 @@ class ControlServer:
         return m.Info(info=self._info())
 
     def _on_lookup(self, msg: m.Lookup, owner: str) -> m.Message:
-        return m.LookupReply(num_ready=self.runner.lookup(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+        keys = [self._key(msg.pool, k) for k in msg.keys]
+        return m.LookupReply(num_ready=self.runner.lookup(msg.pool, keys), tiers=self.runner.tiers(msg.pool, keys))
 
     def _on_remove(self, msg: m.Remove, owner: str) -> m.Message:
         return m.Removed(num_removed=self.runner.remove(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+
+    def _on_pull(self, msg: m.Pull, owner: str) -> m.Message:
+        from ..peer import PeerError
+
+        if self.runner.puller is None:
+            raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
+        keys = [self._key(msg.pool, k)[:64] for k in msg.keys]
+        try:
+            return m.Pulled(num_local=self.runner.pull_from(msg.source_endpoint, msg.pool, keys))
+        except PeerError as exc:
+            raise m.ProtocolError(str(exc), code="peer") from None
 
     def _on_persist(self, msg: m.Persist, owner: str) -> m.Message:
         if msg.pool not in self.runner.disks:
@@ -162,10 +204,21 @@ class ControlServer:
 
     def _on_claim(self, msg: m.ClaimRequest, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
+        self._check_namespace(msg.pool, msg.namespace)
         claim = self.runner.claim(msg.pool, [self._key(msg.pool, k) for k in msg.keys], owner=owner,
                                   lease_s=msg.lease_s or None)
         return m.Granted(claim_id=claim.claim_id, offsets=[self.runner.offset(msg.pool, p.slot) for p in claim.pages],
-                         generations=[p.generation for p in claim.pages], lease_s=claim.lease_s)
+                         generations=[p.generation for p in claim.pages], lease_s=claim.lease_s,
+                         announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])
+
+    def _check_namespace(self, pool: str, theirs: dict) -> None:
+        """Same page hash, other namespace = other bytes: refuse, naming both values."""
+        if not theirs:
+            return
+        mine = self.runner.layouts[self.runner.pool(pool).name].namespace.fields()
+        diff = [f"{k}: ours {mine[k]!r}, yours {theirs.get(k)!r}" for k in mine if theirs.get(k) != mine[k]]
+        if diff:
+            raise m.ProtocolError(f"namespace mismatch on pool {pool!r}: " + "; ".join(diff), code="namespace")
 
     def _on_renew(self, msg: m.Renew, owner: str) -> m.Message:
         return m.Renewed(lease_s=self.runner.renew(msg.claim_id, owner=owner).lease_s)

@@ -26,6 +26,10 @@ class ClaimLimit(PoolError):
     """Granting the claim would pin more of the pool than `max_claim_fraction` allows."""
 
 
+class Busy(PoolError):
+    """The owner already holds `max_claims_per_owner` claims: back off (a destination treats it as a miss)."""
+
+
 @dataclass(slots=True)
 class Claim:
     claim_id: int
@@ -67,7 +71,9 @@ class ClaimStats:
 @dataclass
 class ClaimTable:
     max_claim_fraction: float = 0.5
+    max_claims_per_owner: int = 0  # 0: unlimited
     _claims: dict[int, Claim] = field(default_factory=dict)
+    _per_owner: dict[str, int] = field(default_factory=dict)
     _fills: dict[int, Fill] = field(default_factory=dict)
     _tombstones: OrderedDict[int, Claim] = field(default_factory=OrderedDict)
     _deadlines: list[tuple[float, int]] = field(default_factory=list)  # heap; stale entries skipped
@@ -84,6 +90,10 @@ class ClaimTable:
 
     def claim(self, pool: PagePool, keys: Sequence[str], *, owner: str, lease_s: float, now: float) -> Claim:
         """Pin the longest READY prefix of `keys`; the claim may hold zero pages (then it is not kept)."""
+        held = self._per_owner.get(owner, 0)
+        if self.max_claims_per_owner and held >= self.max_claims_per_owner:
+            raise Busy(f"{owner!r} already holds {held} claims (max_claims_per_owner "
+                       f"{self.max_claims_per_owner})")
         budget = int(pool.capacity * self.max_claim_fraction) - pool.num_claimed
         available = pool.leading_ready(keys)
         if available and budget <= 0:
@@ -94,6 +104,7 @@ class ClaimTable:
             return Claim(0, owner, pool, [], lease_s, now)
         claim = Claim(self._new_id(now + lease_s), owner, pool, pages, lease_s, now + lease_s)
         self._claims[claim.claim_id] = claim
+        self._per_owner[owner] = held + 1
         return claim
 
     def _owned(self, claim_id: int, owner: str) -> Claim:
@@ -118,6 +129,9 @@ class ClaimTable:
             return Release(claim_id, tuple(tomb.pool.is_live(p) for p in tomb.pages), expired=True)
         claim = self._owned(claim_id, owner)
         del self._claims[claim_id]
+        left = self._per_owner.pop(owner) - 1
+        if left:
+            self._per_owner[owner] = left
         live = tuple(claim.pool.is_live(p) for p in claim.pages)
         claim.pool.unpin(claim.pages)
         return Release(claim_id, live)

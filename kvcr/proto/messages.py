@@ -12,8 +12,8 @@ from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 import msgpack
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
-CAPABILITIES = ("snapshot", "claims", "fills")
+PROTOCOL_MINOR = 1
+CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "tiers")
 
 
 class ProtocolError(ValueError):
@@ -76,8 +76,11 @@ class Lookup(Message):
 
 @_msg
 class LookupReply(Message):
+    """`num_ready`: leading pages in DRAM; `tiers`: per key 0 absent, 1 DRAM, 2 NVMe (minor 1+)."""
+
     TYPE = "lookup_reply"
     num_ready: int = 0
+    tiers: list = field(default_factory=list)
 
 
 @_msg
@@ -91,6 +94,22 @@ class Remove(Message):
 class Removed(Message):
     TYPE = "removed"
     num_removed: int = 0
+
+
+@_msg
+class Pull(Message):
+    """Ask a runner to pull pages it lacks from a trusted peer (the router's or an operator's hint)."""
+
+    TYPE = "pull"
+    source_endpoint: str = ""
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+
+
+@_msg
+class Pulled(Message):
+    TYPE = "pulled"
+    num_local: int = 0  # leading pages now held locally
 
 
 @_msg
@@ -142,19 +161,26 @@ class Committed(Message):
 
 @_msg
 class ClaimRequest(Message):
+    """`namespace`: the claimer's namespace fields; a mismatch is refused naming both values."""
+
     TYPE = "claim"
     pool: str = "kv"
     keys: list = field(default_factory=list)
     lease_s: float = 0.0
+    namespace: dict = field(default_factory=dict)
 
 
 @_msg
 class Granted(Message):
+    """Region offsets of the claimed pages (NVMe pages are staged into DRAM first), their slot
+    generations and announces (so the puller can publish what it received)."""
+
     TYPE = "granted"
     claim_id: int = 0
     offsets: list = field(default_factory=list)
     generations: list = field(default_factory=list)
     lease_s: float = 0.0
+    announces: list = field(default_factory=list)
 
 
 @_msg

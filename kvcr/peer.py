@@ -1,0 +1,183 @@
+"""Pulling pages from a peer runner: confirm (claim) over ZMQ, GET over UCX, release.
+
+The destination side of the peer protocol. `confirm` performs the claim and returns exactly how
+many leading pages the source promised; `deliver` moves them and releases the claim on every
+exit path; what arrives intact is reported page by page (the leading run counts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .client import ControlClient, ControlError
+from .proto import messages as m
+from .proto.announce import Announce
+from .proto.pull import delivered_prefix, plan_gets
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 0.5
+
+
+class PeerError(RuntimeError):
+    """A peer that cannot serve pulls (no UCX, incompatible protocol, refused namespace...)."""
+
+
+@dataclass
+class PeerSource:
+    endpoint: str
+    client: ControlClient
+    incarnation: str
+    address: bytes
+    region_base: int
+    rkeys: dict[int, bytes]
+    chunks: list[tuple[int, int]]
+    page_bytes: dict[str, int]
+
+
+@dataclass
+class Confirmation:
+    """A claim held at a source for the leading `num_pages` of a request's pages."""
+
+    source: PeerSource
+    pool: str
+    claim_id: int
+    offsets: list[int]
+    announces: list[Announce | None]
+    deadline: float  # monotonic: the lease cannot have ended before this (measured from our request)
+    released: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    delivered: int            # leading pages now in the destination buffers, intact
+    uncertain: bool = False   # some buffers may still be written: do not reuse them
+    error: str = ""
+
+
+@dataclass
+class Puller:
+    plane: object                         # UcxPlane
+    namespaces: dict[str, dict] = field(default_factory=dict)  # pool -> our namespace fields
+    timeout_s: float = 5.0
+    abandon_s: float = 5.0
+    lease_s: float = 0.0
+    trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
+    _sources: dict[str, PeerSource] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    num_refused_untrusted: int = 0
+
+    def source(self, endpoint: str) -> PeerSource:
+        if self.trusted is not None and endpoint not in self.trusted:
+            self.num_refused_untrusted += 1
+            raise PeerError(f"{endpoint} is not a trusted peer")
+        with self._lock:
+            src = self._sources.get(endpoint)
+            if src is None:
+                src = self._sources[endpoint] = self._connect(endpoint)
+            return src
+
+    def _connect(self, endpoint: str) -> PeerSource:
+        client = ControlClient(endpoint, timeout_s=self.timeout_s)
+        info = client.info()
+        if info["protocol"][0] != m.PROTOCOL_MAJOR:
+            raise PeerError(f"{endpoint} speaks protocol {info['protocol']}, we speak "
+                            f"{[m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR]}")
+        ucx = info.get("ucx")
+        if not ucx or "ucx_get" not in info.get("capabilities", []):
+            raise PeerError(f"{endpoint} does not serve UCX pulls")
+        return PeerSource(endpoint, client, info["incarnation"], bytes.fromhex(ucx["address"]), ucx["region_base"],
+                          {off: bytes.fromhex(k) for off, _, k in ucx["rkeys"]},
+                          [(off, length) for off, length, _ in ucx["rkeys"]],
+                          {p["name"]: p["page_bytes"] for p in info["pools"]})
+
+    def forget(self, endpoint: str) -> None:
+        with self._lock:
+            src = self._sources.pop(endpoint, None)
+        if src is not None:
+            src.client.close()
+
+    def lookup(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> list[int]:
+        reply = self.source(endpoint).client.request(m.Lookup(pool=pool, keys=list(page_hexes)))
+        return reply.tiers
+
+    def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> Confirmation | None:
+        """Claim the leading pages at the source. None when it has none (or is busy: a miss)."""
+        src = self.source(endpoint)
+        sent = time.monotonic()
+        try:
+            reply = src.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
+                                                      namespace=self.namespaces.get(pool, {})))
+        except ControlError as exc:
+            if exc.code == "namespace":
+                raise PeerError(str(exc)) from None
+            log.info("claim at %s refused: %s", endpoint, exc)
+            return None
+        except TimeoutError:
+            self.forget(endpoint)
+            return None
+        if reply.incarnation != src.incarnation:  # the source restarted: its region and keys are new
+            self.forget(endpoint)
+            return None
+        if not reply.offsets:
+            return None
+        announces = [Announce.from_wire(a) if a is not None else None for a in reply.announces]
+        return Confirmation(src, pool, reply.claim_id, reply.offsets, announces, sent + reply.lease_s)
+
+    def release(self, conf: Confirmation) -> tuple[bool, ...]:
+        """End the claim (idempotent). Returns per page whether the source slot stayed live."""
+        if conf.released:
+            return ()
+        conf.released = True
+        try:
+            # Short: a source that does not answer ends the claim by lease anyway.
+            reply = conf.source.client.request(m.ReleaseRequest(claim_id=conf.claim_id),
+                                               timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
+            return tuple(reply.live)
+        except (ControlError, TimeoutError) as exc:
+            log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
+            return ()
+
+    def deliver(self, conf: Confirmation, destinations: Sequence[int]) -> PullResult:
+        """GET the confirmed pages into `destinations` (addresses), then release the claim."""
+        src = conf.source
+        n = min(conf.num_pages, len(destinations))
+        page_bytes = src.page_bytes[conf.pool]
+        ops = plan_gets(destinations[:n], conf.offsets[:n], page_bytes, chunks=src.chunks)
+        try:
+            result = self.plane.get(src.address, src.rkeys, src.region_base,
+                                    [(op.local, op.nbytes, op.remote_offset) for op in ops],
+                                    timeout_s=self.timeout_s, abandon_s=self.abandon_s)
+        except Exception as exc:  # the claim is still released below
+            live = self.release(conf)
+            return PullResult(0, False, f"{type(exc).__name__}: {exc}")
+        finished = time.monotonic()
+        live = self.release(conf)
+        if not live and finished < conf.deadline:
+            # No release answer (the source died), but every GET ended inside the lease: the source
+            # could not have reused those slots, so what arrived is what was claimed.
+            live = (True,) * n
+        delivered = delivered_prefix(ops, result.done, live, n)
+        if result.error:
+            self.forget(src.endpoint)
+        return PullResult(delivered, result.uncertain, result.error)
+
+    def pull(self, endpoint: str, pool: str, page_hexes: Sequence[str], destinations: Sequence[int]) -> PullResult:
+        conf = self.confirm(endpoint, pool, page_hexes[:len(destinations)])
+        if conf is None:
+            return PullResult(0)
+        try:
+            return self.deliver(conf, destinations)
+        finally:
+            self.release(conf)
+
+    def close(self) -> None:
+        for endpoint in list(self._sources):
+            self.forget(endpoint)
