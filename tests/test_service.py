@@ -165,7 +165,7 @@ def test_sigterm_announces_every_removal_and_restart_clears_first_with_a_higher_
 
 
 def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(runner_factory):
-    info = runner_factory().start()
+    info = runner_factory(**{"runner.peers": ["tcp://127.0.0.1:9"]}).start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(info["endpoints"]["control"])
@@ -181,12 +181,25 @@ def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(r
            msgpack.packb({"type": "claim", "keys": ["a" * 64], "lease_s": -1.0}),
            msgpack.packb({"type": "reserve", "keys": ["a" * 64], "writer_pid": -1}),
            msgpack.packb({"type": "commit", "fill_id": 1, "ok": [1, 2, 3]})]
-    frames = bad + [rng.randbytes(rng.randrange(1, 64)) for _ in range(300)]
+    def mutated(i: int) -> bytes:  # valid messages with fields replaced by junk, and raw noise
+        if i % 2:
+            return rng.randbytes(rng.randrange(1, 64))
+        body = {"type": rng.choice(["lookup", "claim", "reserve", "commit", "release", "renew", "remove", "pull",
+                                    "persist", "info"]),
+                rng.choice(["keys", "pool", "lease_s", "claim_id", "ok", "announces", "writer_pid", "version"]):
+                    rng.choice([None, -1, 2**64 - 1, "x" * 70, [None], {"a": 1}, 1.5, [["zz"]], b"\x00"])}
+        return msgpack.packb(body)
+
+    frames = bad + [mutated(i) for i in range(5000)]
     for frame in frames:
         sock.send_multipart([b"", frame])
     replies = [msgpack.unpackb(sock.recv_multipart()[-1]) for _ in frames]
     sock.close()
-    assert all(r["type"] == "error" and r["message"] for r in replies)
+    assert len(replies) == len(frames)  # every frame answered, none fatal
+    assert all(r["type"] == "error" and r["message"] for r in replies[:len(bad)])
+    errors = [r for r in replies if r["type"] == "error"]
+    assert not [r for r in errors if r["code"] == "internal"], [r for r in errors if r["code"] == "internal"][:3]
+    assert len(errors) > 4000  # most mutations are refused; the rest happen to be valid requests
     codes = {r["code"] for r in replies[:len(bad)]}
     assert {"bad_request", "unknown_type", "version", "claim", "UnknownPool", "KeyFormatError"} <= codes
     with ControlClient(info["endpoints"]["control"]) as client:
@@ -196,7 +209,7 @@ def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(r
     assert urllib.request.urlopen(info["endpoints"]["http"] + "/healthz", timeout=5).read() == b"ok\n"
     metrics = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
     rejected = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvcr_control_rejected_total")]
-    assert rejected == [len(frames) + 1]
+    assert rejected == [len(errors) + 1]
 
 
 def test_an_exhausted_pool_with_every_page_claimed_is_a_clear_error(runner_factory):
@@ -236,3 +249,19 @@ def test_lock_memory_beyond_the_memlock_limit_names_both_keys(tmp_path):
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, hard)))
     assert out.returncode == 2
     assert "exceeds the memlock limit" in out.stderr and "dram.lock_memory" in out.stderr
+
+
+def test_a_peer_one_minor_version_ahead_is_served_and_a_new_major_is_refused(runner_factory):
+    info = runner_factory().start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(info["endpoints"]["control"])
+    newer = {"type": "lookup", "version": [m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR + 1], "keys": ["a" * 64],
+             "request_id": 5, "field_from_the_future": {"x": 1}}
+    sock.send_multipart([b"", msgpack.packb(newer)])
+    reply = msgpack.unpackb(sock.recv_multipart()[-1])
+    assert reply["type"] == "lookup_reply" and reply["request_id"] == 5 and reply["tiers"] == [0]
+    sock.send_multipart([b"", msgpack.packb({**newer, "version": [m.PROTOCOL_MAJOR + 1, 0]})])
+    reply = msgpack.unpackb(sock.recv_multipart()[-1])
+    assert reply["code"] == "version" and f"major version {m.PROTOCOL_MAJOR + 1}" in reply["message"]
+    sock.close()

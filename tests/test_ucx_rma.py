@@ -1,0 +1,82 @@
+"""The ctypes RMA binding: struct layouts checked against the shipped ucp.h, and real GETs."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvcr.drivers import ucx_rma
+from kvcr.proto.pull import GetOp, delivered_prefix, plan_gets
+
+LAYOUT_PROBE = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <ucp/api/ucp.h>
+int main(void) {
+    printf("%zu %zu %zu %zu %zu %d %d %d %d %d %d\n",
+           offsetof(ucp_mem_map_params_t, field_mask), offsetof(ucp_mem_map_params_t, address),
+           offsetof(ucp_mem_map_params_t, length), sizeof(ucp_mem_map_params_t),
+           sizeof(ucp_request_param_t), (int)offsetof(ucp_request_param_t, op_attr_mask),
+           (int)UCP_MEM_MAP_PARAM_FIELD_ADDRESS, (int)UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+           (int)UCS_INPROGRESS, (int)UCS_ERR_LAST, UCP_API_MINOR);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to read ucp.h")
+def test_struct_layout_and_constants_match_the_shipped_ucp_header(tmp_path):
+    import libucx
+    include = Path(libucx.__file__).parent / "include"
+    (tmp_path / "probe.c").write_text(LAYOUT_PROBE)
+    subprocess.run(["gcc", "-I", str(include), str(tmp_path / "probe.c"), "-o", str(tmp_path / "probe")],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
+    mask, address, length, params_size, request_size, op_attr, f_addr, f_len, inprogress, err_last, minor = map(int, out)
+    assert (mask, address, length) == (0, 8, 16)
+    assert ctypes.sizeof(ucx_rma._MemMapParams) >= params_size
+    assert ucx_rma.REQUEST_PARAM_BYTES >= request_size and op_attr == 0
+    assert (f_addr, f_len) == (ucx_rma.MEM_MAP_FIELD_ADDRESS, ucx_rma.MEM_MAP_FIELD_LENGTH)
+    assert (inprogress, err_last) == (ucx_rma.UCS_INPROGRESS, ucx_rma.UCS_ERR_LAST)
+    assert (ucx_rma.TESTED_UCX[1]) == minor
+
+
+def test_the_loaded_ucx_is_the_tested_one_and_others_are_refused(monkeypatch):
+    assert ucx_rma.check_version()[:2] == ucx_rma.TESTED_UCX
+    monkeypatch.setattr(ucx_rma, "ucx_version", lambda: (1, 19, 0))  # stand-in: no second UCX build here
+    with pytest.raises(ucx_rma.UcxVersionError, match="UCX 1.19.0 is loaded, but kvcr's RMA binding is tested "
+                                                      "with UCX 1.21 only"):
+        ucx_rma.check_version()
+
+
+def test_gets_between_two_workers_deliver_exact_bytes_and_coalesce():
+    from kvcr.drivers.ucx_plane import UcxPlane
+
+    source, dest = UcxPlane(), UcxPlane(progress_thread=False)
+    try:
+        page = 4096
+        region = ctypes.create_string_buffer(bytes(range(256)) * (64 * page // 256))
+        source.register_region(ctypes.addressof(region), 64 * page, chunk=16 * page).join()
+        assert source.registered_bytes == 64 * page and len(source.chunks) == 4
+        out = ctypes.create_string_buffer(b"\xee" * (64 * page))
+        chunks = [(c.offset, c.length) for c in source.chunks]
+        ops = plan_gets([ctypes.addressof(out) + i * page for i in range(64)], [i * page for i in range(64)], page,
+                        chunks=chunks)
+        assert len(ops) == 4  # adjacent pages merged, never across a registered chunk
+        result = dest.get(source.address, {c.offset: c.rkey for c in source.chunks}, ctypes.addressof(region),
+                          [(op.local, op.nbytes, op.remote_offset) for op in ops], timeout_s=5, abandon_s=1)
+        assert all(result.done) and not result.error
+        assert out.raw[:64 * page] == region.raw[:64 * page]
+    finally:
+        dest.close()
+        source.close()
+
+
+@pytest.mark.parametrize("done,live,expected", [
+    ([True, True], (True,) * 4, 4), ([True, False], (True,) * 4, 2), ([False, True], (True,) * 4, 0),
+    ([True, True], (True, True, False, True), 2), ([True, True], (), 0)])
+def test_only_leading_pages_that_arrived_and_stayed_live_are_delivered(done, live, expected):
+    ops = [GetOp(0, 2, 0, (0, 1)), GetOp(2, 2, 2, (2, 3))]
+    assert delivered_prefix(ops, done, live, 4) == expected
