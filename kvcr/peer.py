@@ -46,13 +46,16 @@ class Confirmation:
     pool: str
     claim_id: int
     offsets: list[int]
-    announces: list[Announce | None]
+    raw_announces: list  # wire form; decoded only by a puller that publishes what it receives
     deadline: float  # monotonic: the lease cannot have ended before this (measured from our request)
     released: bool = False
 
     @property
     def num_pages(self) -> int:
         return len(self.offsets)
+
+    def announces(self) -> list[Announce | None]:
+        return [Announce.from_wire(a) if a is not None else None for a in self.raw_announces]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +131,7 @@ class Puller:
             return None
         if not reply.offsets:
             return None
-        announces = [Announce.from_wire(a) if a is not None else None for a in reply.announces]
-        return Confirmation(src, pool, reply.claim_id, reply.offsets, announces, sent + reply.lease_s)
+        return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s)
 
     def release(self, conf: Confirmation) -> tuple[bool, ...]:
         """End the claim (idempotent). Returns per page whether the source slot stayed live."""

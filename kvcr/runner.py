@@ -20,7 +20,7 @@ from .config import Config
 from .drivers.shm import Region, region_name
 from .proto.announce import Announce
 from .proto.claims import Claim, ClaimTable, Fill, Release
-from .proto.events import AllBlocksCleared, Event
+from .proto.events import AllBlocksCleared, Event, EventError
 from .proto.keys import Namespace, storage_key
 from .proto.relay import RelayStep
 from .drivers.nvme import DiskTier
@@ -276,8 +276,8 @@ class Runner:
         if conf is None:
             return have
         try:
-            fill = self.reserve(pool, keys[have:have + conf.num_pages], conf.announces, lease_s=math.inf)
-        except PoolError:
+            fill = self.reserve(pool, keys[have:have + conf.num_pages], conf.announces(), lease_s=math.inf)
+        except (PoolError, EventError):  # no room, or a source sent announces we cannot use
             self.puller.release(conf)
             return have
         slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))

@@ -142,7 +142,7 @@ class UcxPlane:
         else:  # UCX already tore the endpoint down on the peer's failure: its rkeys must not be touched
             self.num_leaked_rkeys += len(keys)
         try:
-            ep.close()
+            ep.close_blocking(100_000_000, 10)  # period ns, attempts: we own this worker's progress
         except Exception:  # closing a dead peer's endpoint may itself fail; it is gone either way
             log.debug("closing endpoint failed", exc_info=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,8 +26,12 @@ class Announce:
             require_hash("parent_hash", self.parent_hash)
             if self.parent_hash == self.event_hash:
                 raise EventError("a page cannot be its own parent")
-        if not isinstance(self.token_ids, tuple) or not all(type(t) is int and t >= 0 for t in self.token_ids):
-            raise EventError("token_ids must be non-negative integers")
+        if not isinstance(self.token_ids, tuple):
+            raise EventError("token_ids must be a tuple of non-negative integers")
+        try:
+            array("Q", self.token_ids)  # checks every entry in C: an unsigned 64-bit integer
+        except (TypeError, OverflowError):
+            raise EventError("token_ids must be non-negative integers") from None
         require_optional_str("lora_name", self.lora_name)
         require_optional_str("cache_salt", self.cache_salt)
 

@@ -6,7 +6,9 @@ hash per page. Both are reproduced here byte for byte (vectors: shared/reference
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 import struct
 from array import array
 from dataclasses import dataclass
@@ -166,8 +168,7 @@ class Namespace:
 
     @property
     def digest(self) -> str:
-        parts = "|".join(f"{k}={v}" for k, v in self.fields().items())
-        return hashlib.sha256(parts.encode("utf-8")).hexdigest()[:24]
+        return _namespace_digest(self)
 
     def differences(self, other: "Namespace") -> list[str]:
         """Human-readable list of fields that differ, e.g. ["dtype: float16 != bfloat16"]."""
@@ -175,8 +176,18 @@ class Namespace:
         return [f"{k}: {mine[k]} != {theirs[k]}" for k in mine if mine[k] != theirs[k]]
 
 
+_PAGE_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 def storage_key(page_hex: str, namespace_digest: str) -> str:
     """The runner's key for a page: the engine's page hash within one namespace."""
-    if len(page_hex) != 64 or any(c not in "0123456789abcdef" for c in page_hex):
+    if not _PAGE_HEX.fullmatch(page_hex):
         raise KeyFormatError(f"page hash must be 64 lowercase hex digits, got {page_hex!r}")
     return f"{page_hex}.{namespace_digest}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _namespace_digest(ns: Namespace) -> str:
+    # Cached: every page key of a request carries it.
+    parts = "|".join(f"{k}={v}" for k, v in ns.fields().items())
+    return hashlib.sha256(parts.encode("utf-8")).hexdigest()[:24]

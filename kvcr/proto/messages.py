@@ -6,6 +6,7 @@ request id; replies echo the id. A peer with another major version is refused by
 
 from __future__ import annotations
 
+import functools
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
@@ -237,6 +238,12 @@ def _check_field(cls: type, name: str, tp: Any, value: Any) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[dict, dict]:
+    # Resolving string annotations compiles code: once per message type, not per message.
+    return get_type_hints(cls), {f.name: f for f in fields(cls)}
+
+
 def decode(payload: bytes) -> Message:
     """Decode and validate one control frame; raises ProtocolError naming the problem."""
     try:
@@ -249,8 +256,7 @@ def decode(payload: bytes) -> Message:
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown or missing message type", code="unknown_type")
-    hints = get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
+    hints, known = _schema(cls)
     values = {}
     for name, value in raw.items():
         if name in known:
