@@ -172,7 +172,8 @@ def main() -> int:
     body = "\n".join([
         "## NVMe tier: reads and writes",
         "",
-        f"`python bench/nvme.py --repeats {repeats}` on {machine_line()}, files on `{args.dir or tempfile.gettempdir()}`. "
+        f"`python bench/nvme.py --repeats {repeats}` on {machine_line()}, "
+        f"files on `{args.dir or tempfile.gettempdir()}`. "
         f"Median (min–max) of {repeats} alternating repeats, GB/s. Cold: every file dropped from the page cache "
         "(fsync + `POSIX_FADV_DONTNEED`) before each system's turn. Baseline for cold reads: a thread pool of "
         "the same size doing open + preadv into pre-allocated buffers (the device limit); for warm reads: one "

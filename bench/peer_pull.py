@@ -144,7 +144,8 @@ def main() -> int:
         env = {**os.environ, "UCX_TLS": tls, "UCX_NET_DEVICES": "lo", "UCX_TCP_TX_SEG_SIZE": "256k",
                "UCX_TCP_RX_SEG_SIZE": "256k", "UCX_WARN_UNUSED_ENV_VARS": "n"}
         print(f"  {name}: UCX_TLS={tls}", flush=True)
-        cmd = [sys.executable, __file__, "--child", name, "--repeats", str(repeats), *(["--quick"] if args.quick else [])]
+        cmd = [sys.executable, __file__, "--child", name, "--repeats", str(repeats),
+               *(["--quick"] if args.quick else [])]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
             raise SystemExit(out.stderr)

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .config import Config
+from .drivers.nvme import DiskTier
 from .drivers.shm import Region, region_name
 from .proto.announce import Announce
 from .proto.claims import Claim, ClaimTable, Fill, Release
+from .proto.disk_index import DiskIndex
 from .proto.events import AllBlocksCleared, Event, EventError
 from .proto.keys import Namespace, storage_key
-from .proto.relay import RelayStep
-from .drivers.nvme import DiskTier
-from .proto.disk_index import DiskIndex
 from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_stored
+from .proto.relay import RelayStep
 
 
 class UnknownPool(PoolError):

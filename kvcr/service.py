@@ -12,8 +12,8 @@ from . import __version__
 from .config import Config
 from .drivers.http import HttpServer
 from .drivers.zmq_control import ControlServer
-from .drivers.zmq_relay import EngineRelay
 from .drivers.zmq_events import EventPublisher, SeqSource
+from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from .runner import Runner
@@ -34,7 +34,6 @@ class Service:
         self.plane = None
         if cfg.runner.ucx:
             from .drivers.ucx_plane import UcxPlane  # loads libucx: only when peers are served
-
             from .peer import Puller
 
             self.plane = UcxPlane()

@@ -12,9 +12,9 @@ from typing import Callable, Iterator
 
 import zmq
 
-from router_hints.replay import ReplayAnswer, fetch_replay
 from kvcr.proto.events import AllBlocksCleared, EventBatch, EventError, decode_frames
 from kvcr.proto.stream import StreamTracker, Verdict
+from router_hints.replay import ReplayAnswer, fetch_replay
 
 log = logging.getLogger(__name__)
 

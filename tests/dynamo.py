@@ -5,6 +5,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -80,3 +81,15 @@ class Registration:
     def wait_for(self, tokens, *, cpu: int, timeout_s: float = 20.0) -> dict:
         return wait_until(lambda: (q := self.query(tokens)) and q.get("cpu", 0) == cpu and q or
                           (cpu == 0 and not q.get("cpu") and {"cpu": 0}), timeout_s, 0.2, f"cpu == {cpu}")
+
+
+def registered_runner(indexer: str, runner_factory, **overrides):
+    """A runner on fixed event ports (they survive its restarts), registered with the indexer."""
+    ports = {"events.endpoint": f"tcp://127.0.0.1:{free_port()}",
+             "events.replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    proc = runner_factory(**{"dram.pools": [{"name": "kv", "page_bytes": 4096}], **ports, **overrides})
+    info = proc.start()
+    reg = Registration(indexer, info)
+    reg.register(info)
+    time.sleep(2.0)  # the indexer's SUB connects asynchronously (slow joiner)
+    return proc, info, reg

@@ -8,7 +8,7 @@ import pytest
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
 from tests.conftest import wait_until
-from tests.dynamo import Registration, free_port
+from tests.dynamo import Registration, free_port, registered_runner
 from tests.test_service import BLOCK, pages_for
 
 pytestmark = pytest.mark.dynamo
@@ -43,13 +43,7 @@ def test_indexer_counts_stored_then_removed_dram_pages(indexer, runner_factory):
 
 def test_after_a_crash_and_restart_the_indexer_forgets_what_the_dead_runner_held(indexer, runner_factory):
     # Same endpoints across the restart, as a restarted pod would have: the indexer's SUB reconnects.
-    ports = {"events.endpoint": f"tcp://127.0.0.1:{free_port()}",
-             "events.replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    proc = runner_factory(**{"dram.pools": [{"name": "kv", "page_bytes": 4096}], **ports})
-    info = proc.start()
-    reg = Registration(indexer, info)
-    reg.register(info)
-    time.sleep(2.0)
+    proc, info, reg = registered_runner(indexer, runner_factory)
     keys, ann, data = pages_for(6, seed=12, page_bytes=4096)
     tokens = [t for a in ann for t in a.token_ids]
     with ControlClient(info["endpoints"]["control"]) as client:

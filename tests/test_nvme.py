@@ -5,13 +5,11 @@ import multiprocessing
 import os
 import random
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from kvcr.config import load_config
-from kvcr.drivers.nvme import FORMAT_VERSION, MANIFEST, DiskError, DiskTier, hicache_suffix
+from kvcr.drivers.nvme import FORMAT_VERSION, DiskError, DiskTier, hicache_suffix
 from kvcr.proto.announce import announce_request
 from kvcr.proto.disk_index import DiskIndex
 from kvcr.proto.events import BlockRemoved, BlockStored

@@ -2,17 +2,15 @@
 
 import os
 import signal
-import time
 
 import pytest
+import torch  # noqa: E402  (installed by `make sglang-setup`: the CPU build)
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
 
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
 from tests.conftest import wait_until
 from tests.test_nvme import NS, PAGE, Tier, chain
-
-import torch  # noqa: E402  (installed by `make sglang-setup`: the CPU build)
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig  # noqa: E402
 
 
 def hicache_file(directory, ns=NS):
@@ -62,17 +60,10 @@ def test_mla_pages_are_shared_by_every_rank_as_hicache_file_names_them(tmp_path,
 # --- a runner process with an NVMe tier ------------------------------------------------------------
 
 def test_a_runner_restart_serves_and_reannounces_what_survived_on_disk(runner_factory, tmp_path, indexer):
-    from tests.dynamo import Registration, free_port
+    from tests.dynamo import registered_runner
     from tests.test_service import BLOCK, pages_for
 
-    ports = {"events.endpoint": f"tcp://127.0.0.1:{free_port()}",
-             "events.replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    proc = runner_factory(**{"dram.pools": [{"name": "kv", "page_bytes": 4096}], **ports,
-                             "nvme.storage_dir": str(tmp_path / "nvme")})
-    info = proc.start()
-    reg = Registration(indexer, info)
-    reg.register(info)
-    time.sleep(2.0)
+    proc, info, reg = registered_runner(indexer, runner_factory, **{"nvme.storage_dir": str(tmp_path / "nvme")})
     keys, ann, data = pages_for(6, seed=31, page_bytes=4096)
     tokens = [t for a in ann for t in a.token_ids]
     with ControlClient(info["endpoints"]["control"]) as client:

@@ -208,7 +208,8 @@ def test_bad_control_frames_are_refused_counted_and_the_runner_keeps_answering(r
             client.request(m.Lookup(pool="nope", keys=[]))
     assert urllib.request.urlopen(info["endpoints"]["http"] + "/healthz", timeout=5).read() == b"ok\n"
     metrics = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
-    rejected = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvcr_control_rejected_total")]
+    rejected = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("kvcr_control_rejected_total")]
     assert rejected == [len(errors) + 1]
 
 

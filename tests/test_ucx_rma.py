@@ -34,7 +34,8 @@ def test_struct_layout_and_constants_match_the_shipped_ucp_header(tmp_path):
     subprocess.run(["gcc", "-I", str(include), str(tmp_path / "probe.c"), "-o", str(tmp_path / "probe")],
                    check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
-    mask, address, length, params_size, request_size, op_attr, f_addr, f_len, inprogress, err_last, minor = map(int, out)
+    (mask, address, length, params_size, request_size, op_attr, f_addr, f_len, inprogress, err_last,
+     minor) = map(int, out)
     assert (mask, address, length) == (0, 8, 16)
     assert ctypes.sizeof(ucx_rma._MemMapParams) >= params_size
     assert ucx_rma.REQUEST_PARAM_BYTES >= request_size and op_attr == 0

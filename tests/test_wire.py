@@ -168,6 +168,7 @@ def test_move_mode_only_where_allowed_and_legacy_flat_form():
 
 def test_publisher_overflow_drops_a_batch_but_leaves_a_visible_gap():
     import zmq
+
     from kvcr.drivers.zmq_events import EventPublisher, SeqSource
     from kvcr.proto.stream import StreamTracker, Verdict
 

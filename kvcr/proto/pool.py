@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from itertools import chain, islice
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Iterable, Sequence
 
 from .announce import Announce
