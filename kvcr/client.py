@@ -10,6 +10,7 @@ from typing import Sequence
 
 import zmq
 
+from .config import CurveKeys
 from .drivers.shm import Region
 from .proto import messages as m
 from .proto.announce import Announce
@@ -25,8 +26,10 @@ class ControlError(RuntimeError):
 
 
 class ControlClient:
-    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
+                 curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout_ms = int(timeout_s * 1000)
         self.incarnation = uuid.uuid4().hex[:16]
         self._ctx = ctx or zmq.Context.instance()
@@ -36,6 +39,10 @@ class ControlClient:
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:  # the deployment key is both the server's and ours
+            sock.curve_serverkey = self.curve.public
+            sock.curve_publickey = self.curve.public
+            sock.curve_secretkey = self.curve.secret
         sock.connect(self.endpoint)
         return sock
 

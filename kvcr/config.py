@@ -167,9 +167,23 @@ class RunnerConfig:
     pull_timeout_s: float = 5.0
     pull_abandon_s: float = 5.0
     peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
+    # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
+    # and as client. Peers without it get no answer at all. Empty: no authentication.
+    curve_public_key: str = ""
+    curve_secret_key: str = ""
+    curve_allowed_clients: tuple[str, ...] = ()  # more client public keys (e.g. a router's)
+    hint_ttl_s: float = 30.0
+    max_hinted_hashes: int = 1_000_000
     control_endpoint: str = "tcp://127.0.0.1:0"
     http_host: str = "127.0.0.1"
     http_port: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    public: bytes
+    secret: bytes
+    allowed: frozenset[bytes]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,6 +206,13 @@ class Config:
         except KeyFormatError as exc:
             raise ConfigError(str(exc)) from None
 
+    def curve(self) -> CurveKeys | None:
+        r = self.runner
+        if not r.curve_public_key:
+            return None
+        return CurveKeys(r.curve_public_key.encode(), r.curve_secret_key.encode(),
+                         frozenset({r.curve_public_key.encode(), *(k.encode() for k in r.curve_allowed_clients)}))
+
     def pool_sizes(self) -> dict[str, int]:
         """Bytes per pool; a pool with size 0 takes what the others leave of dram.size."""
         fixed = sum(p.size for p in self.dram.pools)
@@ -210,6 +231,11 @@ def _validate(cfg: Config) -> None:
     _require(r.block_size >= 1, f"runner.block_size = {r.block_size} must be >= 1")
     _require(r.dp_rank >= 0, f"runner.dp_rank = {r.dp_rank} must be >= 0")
     _require(r.lease_seconds > 0, f"runner.lease_seconds = {r.lease_seconds} must be > 0")
+    _require(bool(r.curve_public_key) == bool(r.curve_secret_key),
+             "runner.curve_public_key and runner.curve_secret_key must be set together")
+    for key, value in (("runner.curve_public_key", r.curve_public_key), ("runner.curve_secret_key", r.curve_secret_key),
+                       *((f"runner.curve_allowed_clients[{i}]", k) for i, k in enumerate(r.curve_allowed_clients))):
+        _require(not value or len(value) == 40, f"{key} must be a 40-character Z85 CURVE key")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,
              f"runner.pull_timeout_s = {r.pull_timeout_s} / runner.pull_abandon_s = {r.pull_abandon_s} must be > 0")

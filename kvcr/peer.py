@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .client import ControlClient, ControlError
+from .config import CurveKeys
 from .proto import messages as m
 from .proto.announce import Announce
 from .proto.pull import delivered_prefix, plan_gets
@@ -36,6 +37,7 @@ class PeerSource:
     rkeys: dict[int, bytes]
     chunks: list[tuple[int, int]]
     page_bytes: dict[str, int]
+    can_move: bool
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Puller:
     abandon_s: float = 5.0
     lease_s: float = 0.0
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
+    curve: CurveKeys | None = None
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     num_refused_untrusted: int = 0
@@ -88,7 +91,7 @@ class Puller:
             return src
 
     def _connect(self, endpoint: str) -> PeerSource:
-        client = ControlClient(endpoint, timeout_s=self.timeout_s)
+        client = ControlClient(endpoint, timeout_s=self.timeout_s, curve=self.curve)
         info = client.info()
         if info["protocol"][0] != m.PROTOCOL_MAJOR:
             raise PeerError(f"{endpoint} speaks protocol {info['protocol']}, we speak "
@@ -99,7 +102,7 @@ class Puller:
         return PeerSource(endpoint, client, info["incarnation"], bytes.fromhex(ucx["address"]), ucx["region_base"],
                           {off: bytes.fromhex(k) for off, _, k in ucx["rkeys"]},
                           [(off, length) for off, length, _ in ucx["rkeys"]],
-                          {p["name"]: p["page_bytes"] for p in info["pools"]})
+                          {p["name"]: p["page_bytes"] for p in info["pools"]}, "move" in info["capabilities"])
 
     def forget(self, endpoint: str) -> None:
         with self._lock:
@@ -133,22 +136,26 @@ class Puller:
             return None
         return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s)
 
-    def release(self, conf: Confirmation) -> tuple[bool, ...]:
-        """End the claim (idempotent). Returns per page whether the source slot stayed live."""
+    def release(self, conf: Confirmation, *, drop: bool = False) -> tuple[bool, ...]:
+        """End the claim (idempotent). Returns per page whether the source slot stayed live.
+        `drop` (move mode) asks the source to drop its copies of the pages that stayed live."""
         if conf.released:
             return ()
         conf.released = True
         try:
             # Short: a source that does not answer ends the claim by lease anyway.
-            reply = conf.source.client.request(m.ReleaseRequest(claim_id=conf.claim_id),
+            reply = conf.source.client.request(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop),
                                                timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
             return tuple(reply.live)
         except (ControlError, TimeoutError) as exc:
             log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
             return ()
 
-    def deliver(self, conf: Confirmation, destinations: Sequence[int]) -> PullResult:
-        """GET the confirmed pages into `destinations` (addresses), then release the claim."""
+    def deliver(self, conf: Confirmation, destinations: Sequence[int], *, move: bool = False) -> PullResult:
+        """GET the confirmed pages into `destinations` (addresses), then release the claim.
+
+        With `move` (only towards sources that advertise it) the release asks the source to drop
+        its copies, but only when every GET completed: a failed pull never costs the source a page."""
         src = conf.source
         n = min(conf.num_pages, len(destinations))
         page_bytes = src.page_bytes[conf.pool]
@@ -161,7 +168,7 @@ class Puller:
             live = self.release(conf)
             return PullResult(0, False, f"{type(exc).__name__}: {exc}")
         finished = time.monotonic()
-        live = self.release(conf)
+        live = self.release(conf, drop=move and src.can_move and all(result.done) and not result.error)
         if not live and finished < conf.deadline:
             # No release answer (the source died), but every GET ended inside the lease: the source
             # could not have reused those slots, so what arrived is what was claimed.

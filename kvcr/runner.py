@@ -23,6 +23,8 @@ from .proto.announce import Announce
 from .proto.claims import Claim, ClaimTable, Fill, Release
 from .proto.disk_index import DiskIndex
 from .proto.events import AllBlocksCleared, Event, EventError
+from .proto.hintbook import HintBook, HintedSource
+from .proto.hints import FetchHint
 from .proto.keys import Namespace, storage_key
 from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_stored
 from .proto.relay import RelayStep
@@ -101,6 +103,7 @@ class Runner:
         self.num_promoted = 0
         self.plane = None  # the UCX data plane, set by the service when peers are served
         self.puller = None  # kvcr.peer.Puller, set with the plane
+        self.hints = HintBook(ttl_s=cfg.runner.hint_ttl_s, max_hashes=cfg.runner.max_hinted_hashes)
         self.num_pulled = 0
         self.num_uncertain = 0
         self._publish = publish or (lambda events: 0)
@@ -222,11 +225,16 @@ class Runner:
         with self.lock:
             return self.claims.renew(claim_id, owner=owner, now=self.clock())
 
-    def release(self, claim_id: int, *, owner: str = "local") -> Release:
+    def release(self, claim_id: int, *, owner: str = "local", drop: bool = False) -> Release:
+        """End a claim. `drop` (move mode): remove the claimed pages that stayed live, in every tier."""
         with self.lock:
+            claim = self.claims.peek(claim_id)
             result = self.claims.release(claim_id, owner=owner)
             self._flush_events()
-            return result
+        if drop and claim is not None:
+            moved = [p.key for p, live in zip(claim.pages, result.live) if live]
+            self.remove(claim.pool.name, moved)
+        return result
 
     def _maybe_promote(self, pool: str, keys: Sequence[str]) -> None:
         if pool in self.disks and self.cfg.nvme.promote:
@@ -264,7 +272,15 @@ class Runner:
             self.num_promoted += committed
         return next((i for i, good in enumerate(ok) if not good), n)
 
-    def pull_from(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> int:
+    def post_hint(self, hint: FetchHint) -> None:
+        with self.lock:
+            self.hints.post(hint, self.clock())
+
+    def hinted_source(self, event_hashes: Sequence[int]) -> HintedSource | None:
+        with self.lock:
+            return self.hints.source_for(list(event_hashes), self.clock())
+
+    def pull_from(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, move: bool = False) -> int:
         """Make the leading run of `page_hexes` local, pulling what we lack from the peer at
         `endpoint` straight into fresh DRAM slots. Returns how many leading pages are now local."""
         keys = [self.key(pool, h) for h in page_hexes]
@@ -281,7 +297,8 @@ class Runner:
             self.puller.release(conf)
             return have
         slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
-        result = self.puller.deliver(conf, [self.region_address + self.offset(pool, p.slot) for p in slots])
+        result = self.puller.deliver(conf, [self.region_address + self.offset(pool, p.slot) for p in slots],
+                                     move=move)
         if result.uncertain:
             # The source may still write into these slots: never hand them out again (quarantine).
             with self.lock:
@@ -363,6 +380,8 @@ class Runner:
     def housekeeping(self) -> None:
         """Lease expiry, DRAM spill to NVMe and NVMe watermark eviction (one pass)."""
         self.expire()
+        with self.lock:
+            self.hints.expire(self.clock())
         for name, disk in self.disks.items():
             if self.spilling:
                 self.spill(name)

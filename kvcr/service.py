@@ -42,9 +42,9 @@ class Service:
             self.runner.puller = Puller(self.plane, {name: lay.namespace.fields()
                                                      for name, lay in self.runner.layouts.items()},
                                         timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
-                                        trusted=trusted)
+                                        trusted=trusted, curve=cfg.curve())
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
-                                     snapshot=self.snapshot)
+                                     snapshot=self.snapshot, curve=cfg.curve())
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),

@@ -188,3 +188,62 @@ def test_a_source_killed_mid_pull_delivers_only_whole_leading_pages(runner_facto
     a.proc.wait(5)
     ai2 = a.start()
     assert claims_held(ai2) == 0
+
+
+def test_a_posted_hint_names_the_source_and_move_mode_drops_the_source_copy(runner_factory):
+    from kvcr.proto.hints import build_envelope
+    from kvcr.proto.keys import hash_str_to_int64
+
+    a, ai, b, bi = start_pair(runner_factory)
+    wait_registered(ai)
+    keys, ann, data = store(ai, 8, seed=10)
+    envelope = build_envelope(ai["endpoints"]["control"], [hash_str_to_int64(k) for k in keys], mode="move")
+    with ControlClient(bi["endpoints"]["control"]) as client:
+        assert client.request(m.PostHint(envelope=envelope)).num_hashes == 8
+        with pytest.raises(ControlError, match="non-empty list"):
+            client.request(m.PostHint(envelope={**envelope, "actions": [{**envelope["actions"][0], "payload": {
+                "source_control_endpoint": "tcp://x:1", "block_hashes": []}}]}))
+        assert client.request(m.Pull(pool="kv", keys=keys), timeout_s=30).num_local == 8  # no source named
+    assert read(bi, keys) == data
+    with ControlClient(ai["endpoints"]["control"]) as client:
+        assert client.request(m.Lookup(pool="kv", keys=keys)).tiers == [0] * 8  # moved, not copied
+    assert claims_held(ai) == 0
+
+
+def test_a_peer_over_its_claim_limit_is_told_busy(runner_factory, puller):
+    a, ai = source(runner_factory, **{"runner.max_claims_per_peer": 1})
+    keys, _, _ = store(ai, 4, seed=11)
+    first = puller.confirm(ai["endpoints"]["control"], "kv", keys[:2])
+    assert first is not None
+    assert puller.confirm(ai["endpoints"]["control"], "kv", keys[2:]) is None  # Busy: a miss, not an error
+    puller.release(first)
+    assert puller.confirm(ai["endpoints"]["control"], "kv", keys[2:]).num_pages == 2
+
+
+def test_with_curve_only_key_holders_get_answers_and_peers_still_pull(runner_factory):
+    import zmq
+
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    keys_cfg = {"runner.curve_public_key": public, "runner.curve_secret_key": secret}
+    a, ai, b, bi = start_pair(runner_factory, b_overrides=keys_cfg, a_overrides=keys_cfg)
+    from kvcr.config import CurveKeys
+    curve = CurveKeys(public.encode(), secret.encode(), frozenset())
+    with ControlClient(ai["endpoints"]["control"], curve=curve) as client:
+        wait_until(lambda: client.info()["ucx"]["rkeys"], 10, 0.05, "UCX registration")
+        keys, _, data = pages_for(4, seed=12, page_bytes=PAGE)
+        writer = AttachedWriter(client)
+        writer.put("kv", keys, data)
+        writer.close()
+    with ControlClient(bi["endpoints"]["control"], curve=curve, timeout_s=30) as client:
+        assert client.request(m.Pull(source_endpoint=ai["endpoints"]["control"], pool="kv", keys=keys)).num_local == 4
+    # No keys at all, or a key pair the runner does not know: not a single byte comes back.
+    with ControlClient(ai["endpoints"]["control"], timeout_s=1.0) as plain, pytest.raises(TimeoutError):
+        plain.info()
+    other_public, other_secret = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = public.encode(), other_public, other_secret
+    sock.connect(ai["endpoints"]["control"])
+    sock.send_multipart([b"", m.encode(m.InfoRequest())])
+    assert not sock.poll(1000)
+    sock.close()

@@ -200,3 +200,17 @@ def test_seq_source_rises_across_restarts_even_if_the_clock_goes_back(tmp_path):
     taken = [first.take() for _ in range(3)]
     second = SeqSource(str(tmp_path), now_us=10)  # the clock went back
     assert second.take() > taken[-1] and second.next <= 5_000 + SEQ_RESERVATION + 1
+
+
+def test_posted_hints_name_a_source_for_the_leading_hinted_pages_until_their_ttl():
+    from kvcr.proto.hintbook import HintBook
+
+    book = HintBook(ttl_s=10, max_hashes=4)
+    book.post(hints.parse_envelope(hints.build_envelope("tcp://a:1", [1, 2, 3])), now=0)
+    src = book.source_for([1, 2, 3, 4], now=5)
+    assert (src.endpoint, src.num_pages, src.mode) == ("tcp://a:1", 3, "copy")
+    assert book.source_for([-1 & ((1 << 64) - 1), 1], now=5) is None  # the first page is not hinted
+    assert book.source_for([1, 2], now=10) is None  # expired
+    book.post(hints.parse_envelope(hints.build_envelope("tcp://b:1", [7, 8, 9])), now=0)
+    assert len(book) == 4 and book.num_evicted == 2  # the cap drops the oldest hashes
+    assert book.expire(now=11) == 4 and len(book) == 0

@@ -14,10 +14,15 @@ from dataclasses import replace
 from typing import Callable, Iterator
 
 import zmq
+import zmq.utils.z85
+from zmq.auth.thread import ThreadAuthenticator
 
+from ..config import CurveKeys
 from ..proto import messages as m
 from ..proto.announce import Announce
 from ..proto.claims import ClaimError
+from ..proto.hints import parse_envelope
+from ..proto.keys import hash_str_to_int64
 from ..proto.pool import Page, PoolError
 
 log = logging.getLogger(__name__)
@@ -39,7 +44,10 @@ def _check_lease(lease_s: float) -> None:
 
 class ControlServer:
     def __init__(self, ctx: zmq.Context, runner, *, endpoint: str, info: Callable[[], dict],
-                 snapshot: Callable[[], tuple[int, list]]) -> None:
+                 snapshot: Callable[[], tuple[int, list]], curve: CurveKeys | None = None) -> None:
+        self._curve = curve
+        self._auth: ThreadAuthenticator | None = None
+        self.num_unauthenticated = 0
         self._ctx = ctx
         self.runner = runner
         self._endpoint = endpoint
@@ -59,12 +67,30 @@ class ControlServer:
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
                           m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
-                          m.Persist: self._on_persist, m.Pull: self._on_pull}
+                          m.Persist: self._on_persist, m.Pull: self._on_pull, m.PostHint: self._on_post_hint}
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
         if not self._ready.wait(timeout) or self._error is not None:
             raise RuntimeError(f"control socket failed to start: {self._error}")
+
+    def _start_auth(self, sock: zmq.Socket) -> None:
+        """CURVE: encrypted, and only clients holding an allowed key are let in (ZAP)."""
+        allowed = self._curve.allowed
+
+        class Allowed:
+            def callback(inner, domain: str, key: bytes) -> bool:  # noqa: N805 (zmq's provider API)
+                ok = zmq.utils.z85.encode(key) in allowed if len(key) == 32 else key in allowed
+                if not ok:
+                    self.num_unauthenticated += 1
+                return ok
+
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=Allowed())
+        sock.curve_secretkey = self._curve.secret
+        sock.curve_publickey = self._curve.public
+        sock.curve_server = True
 
     def health(self) -> str:
         if self._error is not None:
@@ -75,12 +101,16 @@ class ControlServer:
         self._slow.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
         self._thread.join(timeout)
+        if self._auth is not None:
+            self._auth.stop()
 
     def _run(self) -> None:
         try:
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            if self._curve is not None:
+                self._start_auth(sock)
             sock.bind(self._endpoint)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as exc:
@@ -176,8 +206,15 @@ class ControlServer:
         if self.runner.puller is None:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
         keys = [self._key(msg.pool, k)[:64] for k in msg.keys]
+        source, move = msg.source_endpoint, False
+        if not source:  # the source a posted hint names
+            hashes = msg.event_hashes or [hash_str_to_int64(k) for k in keys]
+            hinted = self.runner.hinted_source(hashes)
+            if hinted is None:
+                return m.Pulled(num_local=self.runner.lookup(msg.pool, [self._key(msg.pool, k) for k in keys]))
+            source, move, keys = hinted.endpoint, hinted.mode == "move", keys[:hinted.num_pages]
         try:
-            return m.Pulled(num_local=self.runner.pull_from(msg.source_endpoint, msg.pool, keys))
+            return m.Pulled(num_local=self.runner.pull_from(source, msg.pool, keys, move=move))
         except PeerError as exc:
             raise m.ProtocolError(str(exc), code="peer") from None
 
@@ -224,7 +261,13 @@ class ControlServer:
         return m.Renewed(lease_s=self.runner.renew(msg.claim_id, owner=owner).lease_s)
 
     def _on_release(self, msg: m.ReleaseRequest, owner: str) -> m.Message:
-        return m.Released(live=list(self.runner.release(msg.claim_id, owner=owner).live))
+        released = self.runner.release(msg.claim_id, owner=owner, drop=msg.drop)
+        return m.Released(live=list(released.live))
+
+    def _on_post_hint(self, msg: m.PostHint, owner: str) -> m.Message:
+        hint = parse_envelope(msg.envelope, allow_move=True)  # HintError names the problem
+        self.runner.post_hint(hint)
+        return m.HintPosted(num_hashes=len(hint.block_hashes))
 
     def _key(self, pool: str, page_hex: object) -> str:
         if not isinstance(page_hex, str):

@@ -115,6 +115,10 @@ class ClaimTable:
             raise ClaimError(f"claim {claim_id} belongs to {claim.owner!r}, not {owner!r}")
         return claim
 
+    def peek(self, claim_id: int) -> Claim | None:
+        """The held (or recently expired) claim with this id, without changing anything."""
+        return self._claims.get(claim_id) or self._tombstones.get(claim_id)
+
     def renew(self, claim_id: int, *, owner: str, now: float) -> Claim:
         claim = self._owned(claim_id, owner)
         claim.deadline = now + claim.lease_s

@@ -14,7 +14,7 @@ import msgpack
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
-CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "tiers")
+CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "tiers", "move", "posted_hints")
 
 
 class ProtocolError(ValueError):
@@ -102,9 +102,24 @@ class Pull(Message):
     """Ask a runner to pull pages it lacks from a trusted peer (the router's or an operator's hint)."""
 
     TYPE = "pull"
-    source_endpoint: str = ""
+    source_endpoint: str = ""  # empty: the source a posted hint names for these pages
     pool: str = "kv"
     keys: list = field(default_factory=list)
+    event_hashes: list = field(default_factory=list)  # the engine's hashes; default: plain SGLang ones
+
+
+@_msg
+class PostHint(Message):
+    """A router's `kv_hint` envelope for a request this runner's engine will serve."""
+
+    TYPE = "post_hint"
+    envelope: dict = field(default_factory=dict)
+
+
+@_msg
+class HintPosted(Message):
+    TYPE = "hint_posted"
+    num_hashes: int = 0
 
 
 @_msg
@@ -198,8 +213,11 @@ class Renewed(Message):
 
 @_msg
 class ReleaseRequest(Message):
+    """`drop`: move mode: the puller got every page intact, so the source drops its copies."""
+
     TYPE = "release"
     claim_id: int = 0
+    drop: bool = False
 
 
 @_msg
