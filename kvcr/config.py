@@ -167,6 +167,7 @@ class RunnerConfig:
     pull_timeout_s: float = 5.0
     pull_abandon_s: float = 5.0
     peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
+    verify_transfer_bytes: bool = False  # check an xxh3 digest of every pulled page
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
     curve_public_key: str = ""

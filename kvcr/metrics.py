@@ -70,6 +70,7 @@ class RunnerCollector:
                                       value=relay.num_malformed)
             yield GaugeMetricFamily("kvcr_engine_blocks", "Blocks the engine has announced (mirror)",
                                     value=len(relay.mirror.blocks))
+        yield from self._peers(svc)
         yield CounterMetricFamily("kvcr_control_requests", "Control requests received", value=ctl.num_requests)
         yield CounterMetricFamily("kvcr_control_rejected", "Control requests refused with an error",
                                   value=ctl.num_rejected)
@@ -106,6 +107,29 @@ class RunnerCollector:
                                   value=runner.num_spilled)
         yield CounterMetricFamily("kvcr_promoted_pages", "NVMe pages copied into DRAM to be served",
                                   value=runner.num_promoted)
+
+
+    @staticmethod
+    def _peers(svc) -> Iterator[Metric]:
+        plane, runner = svc.plane, svc.runner
+        if plane is None:
+            return
+        yield GaugeMetricFamily("kvcr_ucx_registered_bytes", "DRAM bytes registered for peers' GETs",
+                                value=plane.registered_bytes)
+        yield GaugeMetricFamily("kvcr_ucx_registration_seconds", "Time the region registration took",
+                                value=plane.registration_seconds)
+        yield CounterMetricFamily("kvcr_pulled_pages", "Pages pulled from peers into DRAM", value=runner.num_pulled)
+        yield CounterMetricFamily("kvcr_pull_uncertain_pages", "Slots quarantined after an uncertain pull",
+                                  value=runner.num_uncertain)
+        yield CounterMetricFamily("kvcr_pull_digest_mismatches", "Pulled pages whose bytes missed their digest",
+                                  value=runner.puller.num_digest_mismatches)
+        yield CounterMetricFamily("kvcr_pull_untrusted_refused", "Pulls refused: the source is not a trusted peer",
+                                  value=runner.puller.num_refused_untrusted)
+        yield CounterMetricFamily("kvcr_control_unauthenticated", "CURVE clients refused",
+                                  value=svc.control.num_unauthenticated)
+        with runner.lock:
+            hinted = len(runner.hints)
+        yield GaugeMetricFamily("kvcr_hinted_hashes", "Block hashes held from posted hints", value=hinted)
 
 
 def make_registry(service) -> CollectorRegistry:

@@ -7,11 +7,14 @@ exit path; what arrives intact is reported page by page (the leading run counts)
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
+
+import xxhash
 
 from .client import ControlClient, ControlError
 from .config import CurveKeys
@@ -50,6 +53,7 @@ class Confirmation:
     offsets: list[int]
     raw_announces: list  # wire form; decoded only by a puller that publishes what it receives
     deadline: float  # monotonic: the lease cannot have ended before this (measured from our request)
+    digests: list[int] = field(default_factory=list)  # per page, when verify_transfer_bytes
     released: bool = False
 
     @property
@@ -76,6 +80,8 @@ class Puller:
     lease_s: float = 0.0
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
     curve: CurveKeys | None = None
+    verify_transfer_bytes: bool = False  # per-page digest from the source, checked after the GETs
+    num_digest_mismatches: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     num_refused_untrusted: int = 0
@@ -114,13 +120,15 @@ class Puller:
         reply = self.source(endpoint).client.request(m.Lookup(pool=pool, keys=list(page_hexes)))
         return reply.tiers
 
-    def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> Confirmation | None:
+    def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, _retry: bool = True
+                ) -> Confirmation | None:
         """Claim the leading pages at the source. None when it has none (or is busy: a miss)."""
         src = self.source(endpoint)
         sent = time.monotonic()
         try:
             reply = src.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
-                                                      namespace=self.namespaces.get(pool, {})))
+                                                      namespace=self.namespaces.get(pool, {}),
+                                                      digests=self.verify_transfer_bytes))
         except ControlError as exc:
             if exc.code == "namespace":
                 raise PeerError(str(exc)) from None
@@ -129,12 +137,17 @@ class Puller:
         except TimeoutError:
             self.forget(endpoint)
             return None
-        if reply.incarnation != src.incarnation:  # the source restarted: its region and keys are new
+        if reply.incarnation != src.incarnation:
+            # The source restarted: what we know of its region and keys is stale. Give the claim
+            # back, learn the new incarnation, and ask once more.
+            if reply.offsets:
+                src.client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
             self.forget(endpoint)
-            return None
+            return self.confirm(endpoint, pool, page_hexes, _retry=False) if _retry else None
         if not reply.offsets:
             return None
-        return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s)
+        return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s,
+                            reply.digests)
 
     def release(self, conf: Confirmation, *, drop: bool = False) -> tuple[bool, ...]:
         """End the claim (idempotent). Returns per page whether the source slot stayed live.
@@ -174,9 +187,21 @@ class Puller:
             # could not have reused those slots, so what arrived is what was claimed.
             live = (True,) * n
         delivered = delivered_prefix(ops, result.done, live, n)
+        if conf.digests:
+            delivered = self._verified_prefix(conf, destinations, delivered, page_bytes)
         if result.error:
             self.forget(src.endpoint)
         return PullResult(delivered, result.uncertain, result.error)
+
+    def _verified_prefix(self, conf: Confirmation, destinations: Sequence[int], n: int, page_bytes: int) -> int:
+        """Cut the delivered run at the first page whose bytes differ from the source's digest."""
+        for i in range(n):
+            page = (ctypes.c_char * page_bytes).from_address(destinations[i])
+            if xxhash.xxh3_64_intdigest(page) != conf.digests[i]:
+                self.num_digest_mismatches += 1
+                log.warning("page %d from %s does not match its digest: not delivered", i, conf.source.endpoint)
+                return i
+        return n
 
     def pull(self, endpoint: str, pool: str, page_hexes: Sequence[str], destinations: Sequence[int]) -> PullResult:
         conf = self.confirm(endpoint, pool, page_hexes[:len(destinations)])

@@ -247,3 +247,41 @@ def test_with_curve_only_key_holders_get_answers_and_peers_still_pull(runner_fac
     sock.send_multipart([b"", m.encode(m.InfoRequest())])
     assert not sock.poll(1000)
     sock.close()
+
+
+def test_with_digests_a_page_scribbled_on_at_the_source_is_not_delivered(runner_factory, puller):
+    from kvcr.drivers.shm import Region
+
+    a, ai = source(runner_factory)
+    keys, _, data = store(ai, 4, seed=13)
+    puller.verify_transfer_bytes = True
+    conf = puller.confirm(ai["endpoints"]["control"], "kv", keys)
+    assert len(conf.digests) == 4
+    # A real fault, not a fake: a stray writer attached to the pool overwrites a claimed page.
+    region = Region.attach(ai["shm_path"])
+    view = region.view
+    view[conf.offsets[2]:conf.offsets[2] + 16] = b"\x00" * 16
+    view.release()
+    region.close()
+    raw, dests = buffers(4)
+    result = puller.deliver(conf, dests)
+    assert result.delivered == 2 and puller.num_digest_mismatches == 1
+    assert raw.raw[:2 * PAGE] == data[0] + data[1]
+
+
+def test_a_restarted_source_is_fenced_and_then_served_afresh(runner_factory, puller):
+    from tests.dynamo import free_port
+
+    a, ai = source(runner_factory, **{"runner.control_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    keys, _, data = store(ai, 4, seed=14)
+    conf = puller.confirm(ai["endpoints"]["control"], "kv", keys)
+    a.stop()
+    ai = a.start()  # same control endpoint, new incarnation, new region: the old claim means nothing
+    wait_registered(ai)
+    raw, dests = buffers(4)
+    assert puller.deliver(conf, dests).delivered == 0
+    store(ai, 4, seed=14)
+    conf = puller.confirm(ai["endpoints"]["control"], "kv", keys)  # fenced, then reconnected afresh
+    assert conf.source.incarnation == ai["incarnation"]
+    assert puller.deliver(conf, dests).delivered == 4 and raw.raw[:4 * PAGE] == b"".join(data)
+    assert claims_held(ai) == 0  # the claim granted to the stale view was given back

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterator
 
+import xxhash
 import zmq
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
@@ -147,7 +148,7 @@ class ControlServer:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
-            if type(msg) in SLOW:
+            if type(msg) in SLOW or (isinstance(msg, m.ClaimRequest) and msg.digests):
                 self._slow.submit(self._answer_later, ident, request_id, handler, msg)
                 return
             reply = handler(msg, msg.incarnation or ident.hex())
@@ -244,9 +245,12 @@ class ControlServer:
         self._check_namespace(msg.pool, msg.namespace)
         claim = self.runner.claim(msg.pool, [self._key(msg.pool, k) for k in msg.keys], owner=owner,
                                   lease_s=msg.lease_s or None)
+        digests = [xxhash.xxh3_64_intdigest(self.runner.slot_view(msg.pool, p)) for p in claim.pages] \
+            if msg.digests else []  # the pages are pinned: their bytes cannot change meanwhile
         return m.Granted(claim_id=claim.claim_id, offsets=[self.runner.offset(msg.pool, p.slot) for p in claim.pages],
                          generations=[p.generation for p in claim.pages], lease_s=claim.lease_s,
-                         announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])
+                         announces=[p.announce.to_wire() if p.announce else None for p in claim.pages],
+                         digests=digests)
 
     def _check_namespace(self, pool: str, theirs: dict) -> None:
         """Same page hash, other namespace = other bytes: refuse, naming both values."""

@@ -184,6 +184,7 @@ class ClaimRequest(Message):
     keys: list = field(default_factory=list)
     lease_s: float = 0.0
     namespace: dict = field(default_factory=dict)
+    digests: bool = False  # also send an xxh3-64 digest per page, to check the bytes after the GETs
 
 
 @_msg
@@ -197,6 +198,7 @@ class Granted(Message):
     generations: list = field(default_factory=list)
     lease_s: float = 0.0
     announces: list = field(default_factory=list)
+    digests: list = field(default_factory=list)
 
 
 @_msg
