@@ -94,11 +94,19 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                     assert puller.pull(control, "kv", keys, dests).delivered == pages
                     return time.perf_counter() - t0
 
-                raw(), ours()  # warm-up: endpoint, rkey unpack, page faults
-                base, cand = [], []
+                def tagged() -> float:
+                    puller.transport = "tag"
+                    try:
+                        return ours()
+                    finally:
+                        puller.transport = "get"
+
+                raw(), ours(), tagged()  # warm-up: endpoints, rkey unpack, page faults
+                base, cand, tag = [], [], []
                 for _ in range(repeats):
                     base.append(raw())
                     cand.append(ours())
+                    tag.append(tagged())
                 got = ctypes.string_at(dest, page_bytes * pages)
                 assert all(got[s * page_bytes:(s + 1) * page_bytes] == payload[i] for i, s in enumerate(slots))
                 rtt = []
@@ -111,6 +119,7 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                 total = page_bytes * pages
                 rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
                              "base": [total / t / 1e9 for t in base], "cand": [total / t / 1e9 for t in cand],
+                             "tag": [total / t / 1e9 for t in tag],
                              "overhead_us": [(c - b) / pages * 1e6 for c, b in zip(cand, base)],
                              "rtt_ms": sorted(x * 1e3 for x in rtt)})
                 puller.close()
@@ -153,7 +162,8 @@ def main() -> int:
     for r in rows:
         ratio = [c / b for c, b in zip(r["cand"], r["base"])]
         lines.append(f"| {r['transport']} | {r['page_bytes'] >> 10} KiB | {r['pages']} | {r['gets']} | "
-                     f"{fmt(r['base'])} | {fmt(r['cand'])} | {fmt(ratio, 100, 0)} % | {fmt(r['overhead_us'], 1, 1)} |")
+                     f"{fmt(r['base'])} | {fmt(r['cand'])} | {fmt(ratio, 100, 0)} % | {fmt(r['overhead_us'], 1, 1)} | "
+                     f"{fmt(r['tag'])} |")
         print(lines[-1])
     rtt = [r for r in rows if r["rtt_ms"]]
     rtt_lines = [f"| {r['transport']} | {statistics.median(r['rtt_ms']):.3f} | "
@@ -169,10 +179,12 @@ def main() -> int:
         "our own polling at the destination, all GETs of a batch in flight, `UCX_TCP_*_SEG_SIZE=256k`). "
         "kvcr: `Puller.pull` = claim round trip over ZMQ, the GETs, release round trip, liveness check. Pages "
         "under 64 KiB are scattered over the destination (one GET per page); larger ones are coalesced into "
-        "one GET per contiguous run (`GETs` column). Overhead = (kvcr − baseline) time per page.",
+        "one GET per contiguous run (`GETs` column). Overhead = (kvcr − baseline) time per page. The last "
+        "column is the two-sided fallback (`runner.transfer = \"tag\"`: receives posted, the source sends).",
         "",
-        "| transport | page | pages | GETs | baseline GB/s | kvcr GB/s | kvcr/baseline | overhead µs/page |",
-        "|---|---|---|---|---|---|---|---|",
+        "| transport | page | pages | GETs | baseline GB/s | kvcr GB/s | kvcr/baseline | overhead µs/page | "
+        "kvcr tagged fallback GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *lines,
         "",
         "Claim round trip (confirm of 128 pages + release, 200 samples), ms:",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from dataclasses import replace
 from typing import Sequence
@@ -57,12 +58,26 @@ class ControlClient:
 
     def _recv(self, request_id: int, timeout_ms: int | None = None) -> m.Message:
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        reply = self.poll_reply(request_id, timeout_ms)
+        if reply is None:
+            # A late reply would be read as the answer to the next request: start afresh.
+            self._sock.close()
+            self._sock = self._connect()
+            raise TimeoutError(f"no reply from {self.endpoint} within {timeout_ms} ms")
+        return reply
+
+    def send(self, msg: m.Message) -> int:
+        """Send a request without waiting; returns its id for poll_reply."""
+        request_id = next(self._ids)
+        self._sock.send_multipart([b"", m.encode(replace(msg, request_id=request_id, incarnation=self.incarnation))])
+        return request_id
+
+    def poll_reply(self, request_id: int, timeout_ms: int = 0) -> m.Message | None:
+        """The reply to `request_id` if it arrives within `timeout_ms` (raises ControlError on a refusal)."""
+        deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            if not self._sock.poll(timeout_ms):
-                # A late reply would be read as the answer to the next request: start afresh.
-                self._sock.close()
-                self._sock = self._connect()
-                raise TimeoutError(f"no reply from {self.endpoint} within {timeout_ms} ms")
+            if not self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                return None
             reply = m.decode(self._sock.recv_multipart()[-1])
             if reply.request_id == request_id:
                 if isinstance(reply, m.Error):
@@ -70,9 +85,7 @@ class ControlClient:
                 return reply
 
     def request(self, msg: m.Message, *, timeout_s: float | None = None) -> m.Message:
-        request_id = next(self._ids)
-        msg = replace(msg, request_id=request_id, incarnation=self.incarnation)
-        self._sock.send_multipart([b"", m.encode(msg)])
+        request_id = self.send(msg)
         return self._recv(request_id, None if timeout_s is None else int(timeout_s * 1000))
 
     def info(self) -> dict:

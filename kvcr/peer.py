@@ -7,8 +7,10 @@ exit path; what arrives intact is reported page by page (the leading run counts)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ import xxhash
 
 from .client import ControlClient, ControlError
 from .config import CurveKeys
+from .drivers.ucx_rma import GetResult
 from .proto import messages as m
 from .proto.announce import Announce
 from .proto.pull import delivered_prefix, plan_gets
@@ -41,6 +44,7 @@ class PeerSource:
     chunks: list[tuple[int, int]]
     page_bytes: dict[str, int]
     can_move: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time on its socket
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Puller:
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
     curve: CurveKeys | None = None
     verify_transfer_bytes: bool = False  # per-page digest from the source, checked after the GETs
+    transport: str = "get"  # "get": one-sided RMA; "tag": the source sends into receives we posted
     num_digest_mismatches: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -117,8 +122,9 @@ class Puller:
             src.client.close()
 
     def lookup(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> list[int]:
-        reply = self.source(endpoint).client.request(m.Lookup(pool=pool, keys=list(page_hexes)))
-        return reply.tiers
+        src = self.source(endpoint)
+        with src.lock:
+            return src.client.request(m.Lookup(pool=pool, keys=list(page_hexes))).tiers
 
     def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, _retry: bool = True
                 ) -> Confirmation | None:
@@ -126,9 +132,10 @@ class Puller:
         src = self.source(endpoint)
         sent = time.monotonic()
         try:
-            reply = src.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
-                                                      namespace=self.namespaces.get(pool, {}),
-                                                      digests=self.verify_transfer_bytes))
+            with src.lock:
+                reply = src.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
+                                                          namespace=self.namespaces.get(pool, {}),
+                                                          digests=self.verify_transfer_bytes))
         except ControlError as exc:
             if exc.code == "namespace":
                 raise PeerError(str(exc)) from None
@@ -141,7 +148,8 @@ class Puller:
             # The source restarted: what we know of its region and keys is stale. Give the claim
             # back, learn the new incarnation, and ask once more.
             if reply.offsets:
-                src.client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
+                with src.lock, contextlib.suppress(ControlError, TimeoutError):  # else its lease ends it
+                    src.client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
             self.forget(endpoint)
             return self.confirm(endpoint, pool, page_hexes, _retry=False) if _retry else None
         if not reply.offsets:
@@ -157,8 +165,9 @@ class Puller:
         conf.released = True
         try:
             # Short: a source that does not answer ends the claim by lease anyway.
-            reply = conf.source.client.request(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop),
-                                               timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
+            with conf.source.lock:
+                reply = conf.source.client.request(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop),
+                                                   timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
             return tuple(reply.live)
         except (ControlError, TimeoutError) as exc:
             log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
@@ -174,9 +183,7 @@ class Puller:
         page_bytes = src.page_bytes[conf.pool]
         ops = plan_gets(destinations[:n], conf.offsets[:n], page_bytes, chunks=src.chunks)
         try:
-            result = self.plane.get(src.address, src.rkeys, src.region_base,
-                                    [(op.local, op.nbytes, op.remote_offset) for op in ops],
-                                    timeout_s=self.timeout_s, abandon_s=self.abandon_s)
+            result = self._transfer(conf, ops)
         except Exception as exc:  # the claim is still released below
             live = self.release(conf)
             return PullResult(0, False, f"{type(exc).__name__}: {exc}")
@@ -192,6 +199,35 @@ class Puller:
         if result.error:
             self.forget(src.endpoint)
         return PullResult(delivered, result.uncertain, result.error)
+
+    def _transfer(self, conf: Confirmation, ops: list) -> GetResult:
+        src = conf.source
+        if self.transport == "get":
+            return self.plane.get(src.address, src.rkeys, src.region_base,
+                                  [(op.local, op.nbytes, op.remote_offset) for op in ops],
+                                  timeout_s=self.timeout_s, abandon_s=self.abandon_s)
+        base = random.getrandbits(40) << 20  # tags unique to this transfer
+        tagged = [(op.local, op.nbytes, base + i) for i, op in enumerate(ops)]
+        with src.lock:
+            request_id = src.client.send(m.SendPages(claim_id=conf.claim_id, address=self.plane.pull_address.hex(),
+                                                     ops=[[op.remote_offset, op.nbytes, base + i]
+                                                          for i, op in enumerate(ops)]))
+            answer: list[bool] = []
+
+            def source_answer() -> bool | None:
+                if not answer:
+                    try:
+                        reply = src.client.poll_reply(request_id)
+                    except ControlError as exc:
+                        log.info("%s refused to send: %s", src.endpoint, exc)
+                        answer.append(False)
+                        return False
+                    if reply is not None:
+                        answer.append(all(reply.done))
+                return answer[0] if answer else None
+
+            return self.plane.receive_tagged(tagged, source_answer, timeout_s=self.timeout_s,
+                                             abandon_s=self.abandon_s)
 
     def _verified_prefix(self, conf: Confirmation, destinations: Sequence[int], n: int, page_bytes: int) -> int:
         """Cut the delivered run at the first page whose bytes differ from the source's digest."""

@@ -360,6 +360,20 @@ class Runner:
                 p.unpin(pages)
                 self._flush_events()
 
+    def claimed_ranges(self, claim_id: int, owner: str, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether every (region offset, nbytes) lies on whole pages this claim holds."""
+        with self.lock:
+            claim = self.claims.held(claim_id, owner)
+            layout = self.layouts[claim.pool.name]
+            held = {self.offset(layout.name, p.slot) for p in claim.pages}
+        for offset, nbytes in ranges:
+            step = layout.page_bytes
+            if nbytes <= 0 or nbytes % step or (nbytes > step and layout.stride != step):
+                return False
+            if any(o not in held for o in range(offset, offset + nbytes, step)):
+                return False
+        return True
+
     def get(self, pool: str, keys: Sequence[str]) -> list[bytes]:
         """Copies of the leading run of present pages (shorter than `keys` on a miss)."""
         with self.pinned(pool, keys) as pages:

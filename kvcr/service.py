@@ -43,7 +43,8 @@ class Service:
                                                      for name, lay in self.runner.layouts.items()},
                                         timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
                                         trusted=trusted, curve=cfg.curve(),
-                                        verify_transfer_bytes=cfg.runner.verify_transfer_bytes)
+                                        verify_transfer_bytes=cfg.runner.verify_transfer_bytes,
+                                        transport=cfg.runner.transfer)
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot, curve=cfg.curve())
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,

@@ -285,3 +285,26 @@ def test_a_restarted_source_is_fenced_and_then_served_afresh(runner_factory, pul
     assert conf.source.incarnation == ai["incarnation"]
     assert puller.deliver(conf, dests).delivered == 4 and raw.raw[:4 * PAGE] == b"".join(data)
     assert claims_held(ai) == 0  # the claim granted to the stale view was given back
+
+
+@pytest.mark.parametrize("transfer", ["get", "tag"])
+def test_both_transfers_deliver_the_same_bytes_scattered_over_the_destination(runner_factory, puller, transfer):
+    a, ai = source(runner_factory)
+    keys, _, data = store(ai, 16, seed=15)
+    puller.transport = transfer
+    raw, dests = buffers(32)
+    scattered = dests[::2]  # every other page: nothing to coalesce on our side
+    result = puller.pull(ai["endpoints"]["control"], "kv", keys, scattered)
+    assert result.delivered == 16 and not result.uncertain
+    assert [raw.raw[d - ctypes.addressof(raw):d - ctypes.addressof(raw) + PAGE] for d in scattered] == data
+    assert claims_held(ai) == 0
+
+
+def test_the_tagged_fallback_sends_nothing_outside_the_claim(runner_factory, puller):
+    a, ai = source(runner_factory)
+    keys, _, _ = store(ai, 4, seed=16)
+    conf = puller.confirm(ai["endpoints"]["control"], "kv", keys[:2])
+    with conf.source.lock, pytest.raises(ControlError, match="outside claim"):
+        conf.source.client.request(m.SendPages(claim_id=conf.claim_id, address=puller.plane.pull_address.hex(),
+                                               ops=[[conf.offsets[1] + PAGE * 8, PAGE, 1]]))
+    puller.release(conf)

@@ -7,6 +7,7 @@ work at once and peers as soon as the chunk holding a page is registered.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -27,11 +28,16 @@ for _key, _value in UCX_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
 
 import ucxx._lib.libucxx as ucx  # noqa: E402  (after the environment is set)
+from ucxx._lib.arr import Array  # noqa: E402
 
-from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch  # noqa: E402
+from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progress_worker  # noqa: E402
 
 log = logging.getLogger(__name__)
 REGISTRATION_CHUNK = 1 << 30
+
+
+def _array(address: int, nbytes: int) -> Array:
+    return Array((ctypes.c_char * nbytes).from_address(address))
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,8 @@ class UcxPlane:
         # Our GETs use their own worker, progressed only by the pulling thread: a peer's failure is
         # then handled inside our own progress calls, never under our feet by another thread.
         self.pull_worker = ucx.UCXWorker(self.context)
+        self.pull_address = self.pull_worker.address.tobytes()
+        self._send_endpoints: dict[bytes, object] = {}
         self.num_leaked_rkeys = 0
         self._lock = threading.Lock()  # one thread progresses the worker during a pull
         self._registrations: list[MemoryRegistration] = []
@@ -123,6 +131,45 @@ class UcxPlane:
                 self._forget(peer_address)  # a failed peer gets a fresh endpoint next time
             return GetResult(tuple(done), uncertain, error)
 
+    # --- two-sided fallback: tagged sends into buffers the destination posted -------------------
+
+    def send_tagged(self, peer_address: bytes, ops: list[tuple[int, int, int]], timeout_s: float) -> list[bool]:
+        """Source side: tag-send (address, nbytes, tag) to a puller's worker; True per completed send."""
+        with self._lock:
+            ep = self._send_endpoints.get(peer_address)
+            if ep is None:
+                ep = self._send_endpoints[peer_address] = self.worker.create_endpoint_from_worker_address(
+                    ucx.UCXAddress.create_from_buffer(peer_address), True)
+            requests = [ep.tag_send(_array(addr, n), ucx.UCXXTag(tag)) for addr, n, tag in ops]
+        deadline = time.monotonic() + timeout_s
+        while not all(r.completed for r in requests) and time.monotonic() < deadline:
+            # The blocking-mode progress thread sleeps until an fd wakes it, and shared-memory
+            # lanes raise none: drive the worker ourselves (it is created thread-safe).
+            progress_worker(self.worker.handle)
+        return [r.completed and r.status == 0 for r in requests]
+
+    def receive_tagged(self, ops: list[tuple[int, int, int]], source_answer, *, timeout_s: float,
+                       abandon_s: float) -> GetResult:
+        """Destination side: post a receive per (local address, nbytes, tag), then progress until
+        they complete. `source_answer()` polls the source's reply to our send request: None while
+        pending, True once it sent, False if it refused (then nothing will come: cancel at once)."""
+        with self._lock:
+            requests = [self.pull_worker.tag_recv(_array(addr, n), ucx.UCXXTag(tag)) for addr, n, tag in ops]
+            deadline = time.monotonic() + timeout_s
+            cancelled = False
+            while not all(r.completed for r in requests):
+                self.pull_worker.progress()
+                if source_answer() is False and not cancelled:
+                    deadline = time.monotonic()
+                if time.monotonic() >= deadline:
+                    if cancelled:
+                        return GetResult(tuple(r.completed and r.status == 0 for r in requests), uncertain=True,
+                                         error="tagged receives still outstanding after cancel")
+                    self.pull_worker.cancel_inflight_requests()
+                    cancelled, deadline = True, time.monotonic() + abandon_s
+            done = tuple(r.status == 0 for r in requests)
+            return GetResult(done, error="" if all(done) else "tagged transfer failed or was cancelled")
+
     def _endpoint(self, peer_address: bytes):
         entry = self._endpoints.get(peer_address)
         if entry is None:
@@ -149,6 +196,12 @@ class UcxPlane:
     def close(self) -> None:
         for peer in list(self._endpoints):
             self._forget(peer)
+        for ep in self._send_endpoints.values():
+            try:
+                ep.close_blocking(100_000_000, 10)
+            except Exception:
+                log.debug("closing a send endpoint failed", exc_info=True)
+        self._send_endpoints.clear()
         try:
             self.worker.stop_progress_thread()
         except Exception:

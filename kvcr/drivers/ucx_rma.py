@@ -91,6 +91,10 @@ check_version()
 _NO_PARAMS = ctypes.create_string_buffer(REQUEST_PARAM_BYTES)  # op_attr_mask = 0
 
 
+def progress_worker(worker: int) -> int:
+    return _lib.ucp_worker_progress(worker)
+
+
 def _status_of(ptr: int | None) -> tuple[int, int | None]:
     """(status, request) from a ucs_status_ptr_t: NULL = done, small negative = error, else a request."""
     if not ptr:

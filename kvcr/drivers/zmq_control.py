@@ -34,7 +34,7 @@ OFFSET_PRESENT = -1    # Reserved.offsets: the page is stored already
 OFFSET_IN_FLIGHT = -2  # Reserved.offsets: another writer is storing it (it may still fail)
 
 
-SLOW = (m.Pull, m.Persist)
+SLOW = (m.Pull, m.Persist, m.SendPages)
 
 
 def _check_lease(lease_s: float) -> None:
@@ -68,7 +68,8 @@ class ControlServer:
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
                           m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
-                          m.Persist: self._on_persist, m.Pull: self._on_pull, m.PostHint: self._on_post_hint}
+                          m.Persist: self._on_persist, m.Pull: self._on_pull, m.PostHint: self._on_post_hint,
+                          m.SendPages: self._on_send_pages}
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
@@ -267,6 +268,24 @@ class ControlServer:
     def _on_release(self, msg: m.ReleaseRequest, owner: str) -> m.Message:
         released = self.runner.release(msg.claim_id, owner=owner, drop=msg.drop)
         return m.Released(live=list(released.live))
+
+    def _on_send_pages(self, msg: m.SendPages, owner: str) -> m.Message:
+        """Two-sided fallback: send claimed pages, and nothing else, to the puller's worker."""
+        plane = self.runner.plane
+        if plane is None:
+            raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
+        if not all(isinstance(op, list) and len(op) == 3 and all(isinstance(x, int) for x in op) for op in msg.ops):
+            raise m.ProtocolError("send_pages.ops must be [[offset, nbytes, tag], ...]")
+        if not self.runner.claimed_ranges(msg.claim_id, owner, [(o, n) for o, n, _ in msg.ops]):
+            raise m.ProtocolError(f"send_pages asks for bytes outside claim {msg.claim_id}", code="claim")
+        try:
+            address = bytes.fromhex(msg.address)
+        except ValueError:
+            raise m.ProtocolError("send_pages.address is not a hex UCX worker address") from None
+        base = self.runner.region_address
+        done = plane.send_tagged(address, [(base + o, n, tag) for o, n, tag in msg.ops],
+                                 timeout_s=self.runner.cfg.runner.pull_timeout_s)
+        return m.Sent(done=done)
 
     def _on_post_hint(self, msg: m.PostHint, owner: str) -> m.Message:
         hint = parse_envelope(msg.envelope, allow_move=True)  # HintError names the problem

@@ -107,6 +107,10 @@ class ClaimTable:
         self._per_owner[owner] = held + 1
         return claim
 
+    def held(self, claim_id: int, owner: str) -> Claim:
+        """The claim `owner` holds under this id; ClaimError otherwise."""
+        return self._owned(claim_id, owner)
+
     def _owned(self, claim_id: int, owner: str) -> Claim:
         claim = self._claims.get(claim_id)
         if claim is None:

@@ -14,7 +14,7 @@ import msgpack
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
-CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "tiers", "move", "posted_hints")
+CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "ucx_tag", "tiers", "move", "posted_hints")
 
 
 class ProtocolError(ValueError):
@@ -95,6 +95,23 @@ class Remove(Message):
 class Removed(Message):
     TYPE = "removed"
     num_removed: int = 0
+
+
+@_msg
+class SendPages(Message):
+    """Two-sided fallback: the source tag-sends claimed pages to the puller's worker `address`.
+    `ops`: [[region offset, nbytes, tag]], each inside the claim's pages."""
+
+    TYPE = "send_pages"
+    claim_id: int = 0
+    address: str = ""
+    ops: list = field(default_factory=list)
+
+
+@_msg
+class Sent(Message):
+    TYPE = "sent"
+    done: list = field(default_factory=list)
 
 
 @_msg
