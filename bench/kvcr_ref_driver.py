@@ -15,10 +15,11 @@ import sys
 import time
 import uuid
 
-from kvcr import KVCR, KVCRBindings
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.types import BlockKey, MemoryRef, RegionDescriptor
+
+from kvcr import KVCR, KVCRBindings
+from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, RemoteFWDramOptions
 
 
 class NothingPinned:

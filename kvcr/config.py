@@ -169,6 +169,7 @@ class RunnerConfig:
     peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
     verify_transfer_bytes: bool = False  # check an xxh3 digest of every pulled page
     transfer: str = "get"          # "get" (one-sided RMA) or "tag" (two-sided fallback)
+    pull_lanes: int = 1            # GET workers/threads a large pull is split over
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
     curve_public_key: str = ""
@@ -238,6 +239,7 @@ def _validate(cfg: Config) -> None:
     for key, value in (("runner.curve_public_key", r.curve_public_key), ("runner.curve_secret_key", r.curve_secret_key),
                        *((f"runner.curve_allowed_clients[{i}]", k) for i, k in enumerate(r.curve_allowed_clients))):
         _require(not value or len(value) == 40, f"{key} must be a 40-character Z85 CURVE key")
+    _require(1 <= r.pull_lanes <= 16, f"runner.pull_lanes = {r.pull_lanes} must be in 1..16")
     _require(r.transfer in ("get", "tag"), f"runner.transfer = {r.transfer!r} must be 'get' or 'tag'")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,

@@ -36,7 +36,7 @@ class Service:
             from .drivers.ucx_plane import UcxPlane  # loads libucx: only when peers are served
             from .peer import Puller
 
-            self.plane = UcxPlane()
+            self.plane = UcxPlane(lanes=cfg.runner.pull_lanes)
             self.runner.plane = self.plane
             trusted = None if "*" in cfg.runner.peers else frozenset(cfg.runner.peers)
             self.runner.puller = Puller(self.plane, {name: lay.namespace.fields()

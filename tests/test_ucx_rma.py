@@ -81,3 +81,23 @@ def test_gets_between_two_workers_deliver_exact_bytes_and_coalesce():
 def test_only_leading_pages_that_arrived_and_stayed_live_are_delivered(done, live, expected):
     ops = [GetOp(0, 2, 0, (0, 1)), GetOp(2, 2, 2, (2, 3))]
     assert delivered_prefix(ops, done, live, 4) == expected
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_large_pull_split_over_lanes_delivers_the_same_bytes(lanes):
+    from kvcr.drivers.ucx_plane import UcxPlane
+
+    source, dest = UcxPlane(), UcxPlane(progress_thread=False, lanes=lanes)
+    try:
+        size = 12 << 20
+        region = ctypes.create_string_buffer(size)
+        ctypes.memmove(region, (bytes(range(256)) * (size // 256)), size)
+        source.register_region(ctypes.addressof(region), size).join()
+        out = ctypes.create_string_buffer(size)
+        ops = [(ctypes.addressof(out), 8 << 20, 0), (ctypes.addressof(out) + (8 << 20), 4 << 20, 8 << 20)]
+        result = dest.get(source.address, {c.offset: c.rkey for c in source.chunks}, ctypes.addressof(region), ops,
+                          timeout_s=10, abandon_s=1)
+        assert result.done == (True, True) and out.raw[:size] == region.raw[:size]
+    finally:
+        dest.close()
+        source.close()

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # UCX reads its environment when the context is created. These defaults work on one host (shared
@@ -34,10 +35,64 @@ from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progre
 
 log = logging.getLogger(__name__)
 REGISTRATION_CHUNK = 1 << 30
+PARALLEL_MIN_BYTES = 8 << 20  # smaller transfers stay on one lane: a thread hand-off costs more
 
 
 def _array(address: int, nbytes: int) -> Array:
     return Array((ctypes.c_char * nbytes).from_address(address))
+
+
+def _split(ops: list[tuple[int, int, int]], lanes: int) -> list[tuple[int, int, int, int, int]]:
+    """(lane, op index, local, nbytes, remote offset) pieces: ops cut at 4 KiB-aligned points so
+    every lane gets about the same number of bytes."""
+    total = sum(n for _, n, _ in ops)
+    share = ((total + lanes - 1) // lanes + 4095) // 4096 * 4096 if lanes > 1 else total or 1
+    pieces, lane, filled = [], 0, 0
+    for index, (local, nbytes, remote) in enumerate(ops):
+        done = 0
+        while done < nbytes:
+            take = min(nbytes - done, share - filled) if lanes > 1 else nbytes
+            pieces.append((lane, index, local + done, take, remote + done))
+            done += take
+            filled += take
+            if lanes > 1 and filled >= share and lane < lanes - 1:
+                lane, filled = lane + 1, 0
+    return pieces
+
+
+class _Lane:
+    """A worker used only for our GETs, its endpoints to peers and their unpacked keys."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.lock = threading.Lock()
+        self.endpoints: dict[bytes, tuple[object, dict[bytes, RemoteKey]]] = {}
+
+    def endpoint(self, peer_address: bytes):
+        entry = self.endpoints.get(peer_address)
+        if entry is None:
+            ep = self.worker.create_endpoint_from_worker_address(ucx.UCXAddress.create_from_buffer(peer_address),
+                                                                 True)
+            entry = self.endpoints[peer_address] = (ep, {})
+        return entry
+
+    def forget(self, peer_address: bytes) -> int:
+        """Drop the endpoint; returns rkeys that could not be destroyed (UCX tore the endpoint down)."""
+        entry = self.endpoints.pop(peer_address, None)
+        if entry is None:
+            return 0
+        ep, keys = entry
+        leaked = 0
+        if ep.alive:
+            for key in keys.values():
+                key.destroy()
+        else:
+            leaked = len(keys)
+        try:
+            ep.close_blocking(100_000_000, 10)  # period ns, attempts: we own this worker's progress
+        except Exception:  # closing a dead peer's endpoint may itself fail; it is gone either way
+            log.debug("closing endpoint failed", exc_info=True)
+        return leaked
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +103,15 @@ class RegisteredChunk:
 
 
 class UcxPlane:
-    def __init__(self, *, progress_thread: bool = True) -> None:
+    def __init__(self, *, progress_thread: bool = True, lanes: int = 1) -> None:
         self.context = ucx.UCXContext()
         self.worker = ucx.UCXWorker(self.context)  # serves our region to peers
         self.address = self.worker.address.tobytes()
-        # Our GETs use their own worker, progressed only by the pulling thread: a peer's failure is
-        # then handled inside our own progress calls, never under our feet by another thread.
-        self.pull_worker = ucx.UCXWorker(self.context)
+        # Our GETs use their own workers ("lanes"), each progressed only by the thread pulling on it:
+        # a peer's failure is handled inside our own progress calls, never under our feet.
+        self._lanes = [_Lane(ucx.UCXWorker(self.context)) for _ in range(lanes)]
+        self._lane_pool = ThreadPoolExecutor(max(1, lanes - 1), thread_name_prefix="kvcr-ucx-lane")
+        self.pull_worker = self._lanes[0].worker
         self.pull_address = self.pull_worker.address.tobytes()
         self._send_endpoints: dict[bytes, object] = {}
         self.num_leaked_rkeys = 0
@@ -64,7 +121,6 @@ class UcxPlane:
         self.registered_bytes = 0
         self.registration_seconds = 0.0
         self.registration_done = threading.Event()
-        self._endpoints: dict[bytes, tuple[object, dict[bytes, RemoteKey]]] = {}
         if progress_thread:  # a TCP GET is served by the owner's worker, so the source must progress
             self.worker.init_blocking_progress_mode()
             self.worker.start_progress_thread(False)
@@ -105,15 +161,30 @@ class UcxPlane:
     def get(self, peer_address: bytes, rkeys: dict[int, bytes], remote_base: int, ops: list[tuple[int, int, int]],
             *, timeout_s: float, abandon_s: float) -> GetResult:
         """GETs of (local_address, nbytes, remote_offset), each inside one registered chunk of the
-        peer (`rkeys` maps chunk offset -> packed rkey)."""
-        with self._lock:
-            ep, unpacked = self._endpoint(peer_address)
+        peer (`rkeys` maps chunk offset -> packed rkey). Large transfers are split over the lanes
+        (one worker and thread each): over shared memory the copy runs in the caller's CPU."""
+        pieces = _split(ops, len(self._lanes) if sum(n for _, n, _ in ops) >= PARALLEL_MIN_BYTES else 1)
+        jobs = [(lane, [p for p in pieces if p[0] == i]) for i, lane in enumerate(self._lanes)]
+        jobs = [(lane, mine) for lane, mine in jobs if mine]
+        futures = [self._lane_pool.submit(self._get_on_lane, lane, peer_address, rkeys, remote_base, mine,
+                                          timeout_s, abandon_s) for lane, mine in jobs[1:]]
+        lane, mine = jobs[0]  # the first share runs in this thread
+        results = [self._get_on_lane(lane, peer_address, rkeys, remote_base, mine, timeout_s, abandon_s)]
+        results += [f.result() for f in futures]
+        done = [True] * len(ops)
+        for (_, mine), result in zip(jobs, results):
+            for (_, op_index, *_), ok in zip(mine, result.done):
+                done[op_index] = done[op_index] and ok
+        return GetResult(tuple(done), any(r.uncertain for r in results), next((r.error for r in results if r.error), ""))
+
+    def _get_on_lane(self, lane: "_Lane", peer_address: bytes, rkeys: dict[int, bytes], remote_base: int,
+                     pieces: list[tuple[int, int, int, int, int]], timeout_s: float, abandon_s: float) -> GetResult:
+        with lane.lock:
+            ep, unpacked = lane.endpoint(peer_address)
             starts = sorted(rkeys)
-            done: list[bool] = []
-            uncertain, error = False, ""
             groups: dict[int, list[tuple[int, int, int]]] = {}
             order: list[tuple[int, int]] = []
-            for local, nbytes, remote_offset in ops:
+            for _, _, local, nbytes, remote_offset in pieces:
                 chunk = max(s for s in starts if s <= remote_offset)
                 groups.setdefault(chunk, []).append((local, nbytes, remote_base + remote_offset))
                 order.append((chunk, len(groups[chunk]) - 1))
@@ -122,14 +193,13 @@ class UcxPlane:
                 key = unpacked.get(rkeys[chunk])
                 if key is None:
                     key = unpacked[rkeys[chunk]] = RemoteKey(ep.handle, rkeys[chunk])
-                results[chunk] = get_batch(self.pull_worker.handle, ep.handle, key, chunk_ops, timeout_s=timeout_s,
+                results[chunk] = get_batch(lane.worker.handle, ep.handle, key, chunk_ops, timeout_s=timeout_s,
                                            abandon_s=abandon_s, alive=lambda: ep.alive)
-                uncertain = uncertain or results[chunk].uncertain
-                error = error or results[chunk].error
-            done = [results[chunk].done[i] for chunk, i in order]
+            error = next((r.error for r in results.values() if r.error), "")
             if error:
-                self._forget(peer_address)  # a failed peer gets a fresh endpoint next time
-            return GetResult(tuple(done), uncertain, error)
+                self.num_leaked_rkeys += lane.forget(peer_address)  # a failed peer gets a fresh endpoint
+            return GetResult(tuple(results[chunk].done[i] for chunk, i in order),
+                             any(r.uncertain for r in results.values()), error)
 
     # --- two-sided fallback: tagged sends into buffers the destination posted -------------------
 
@@ -153,7 +223,7 @@ class UcxPlane:
         """Destination side: post a receive per (local address, nbytes, tag), then progress until
         they complete. `source_answer()` polls the source's reply to our send request: None while
         pending, True once it sent, False if it refused (then nothing will come: cancel at once)."""
-        with self._lock:
+        with self._lanes[0].lock:
             requests = [self.pull_worker.tag_recv(_array(addr, n), ucx.UCXXTag(tag)) for addr, n, tag in ops]
             deadline = time.monotonic() + timeout_s
             cancelled = False
@@ -170,32 +240,11 @@ class UcxPlane:
             done = tuple(r.status == 0 for r in requests)
             return GetResult(done, error="" if all(done) else "tagged transfer failed or was cancelled")
 
-    def _endpoint(self, peer_address: bytes):
-        entry = self._endpoints.get(peer_address)
-        if entry is None:
-            ep = self.pull_worker.create_endpoint_from_worker_address(
-                ucx.UCXAddress.create_from_buffer(peer_address), True)
-            entry = self._endpoints[peer_address] = (ep, {})
-        return entry
-
-    def _forget(self, peer_address: bytes) -> None:
-        entry = self._endpoints.pop(peer_address, None)
-        if entry is None:
-            return
-        ep, keys = entry
-        if ep.alive:
-            for key in keys.values():
-                key.destroy()
-        else:  # UCX already tore the endpoint down on the peer's failure: its rkeys must not be touched
-            self.num_leaked_rkeys += len(keys)
-        try:
-            ep.close_blocking(100_000_000, 10)  # period ns, attempts: we own this worker's progress
-        except Exception:  # closing a dead peer's endpoint may itself fail; it is gone either way
-            log.debug("closing endpoint failed", exc_info=True)
-
     def close(self) -> None:
-        for peer in list(self._endpoints):
-            self._forget(peer)
+        for lane in self._lanes:
+            for peer in list(lane.endpoints):
+                self.num_leaked_rkeys += lane.forget(peer)
+        self._lane_pool.shutdown(wait=True)
         for ep in self._send_endpoints.values():
             try:
                 ep.close_blocking(100_000_000, 10)

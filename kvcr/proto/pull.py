@@ -20,7 +20,7 @@ class GetOp:
 
 
 def plan_gets(local: Sequence[int], remote: Sequence[int], page_bytes: int, *, chunks: Sequence[tuple[int, int]],
-              max_op_bytes: int = 8 << 20) -> list[GetOp]:
+              max_op_bytes: int = 32 << 20) -> list[GetOp]:
     """One GET per run of pages adjacent on both sides (and inside one registered chunk)."""
     def chunk_of(offset: int) -> int:
         return next((i for i, (start, length) in enumerate(chunks) if start <= offset < start + length), -1)
