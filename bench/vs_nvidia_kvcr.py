@@ -114,7 +114,8 @@ def main() -> int:
         o_gbps = [total / t / 1e9 for t in ours]
         rows.append(f"| {pages} × {page_bytes >> 10} KiB | {Spread.of([t * 1e3 for t in theirs]).fmt()} ms "
                     f"({Spread.of(t_gbps).fmt()} GB/s) | {Spread.of([t * 1e3 for t in ours]).fmt()} ms "
-                    f"({Spread.of(o_gbps).fmt()} GB/s) | {Spread.of([o / t for o, t in zip(o_gbps, t_gbps)]).fmt(1, 1)}x |")
+                    f"({Spread.of(o_gbps).fmt()} GB/s) | "
+                    f"{Spread.of([o / t for o, t in zip(o_gbps, t_gbps)]).fmt(1, 1)}x |")
         print(rows[-1])
     body = "\n".join([
         "## Against NVIDIA kvcr 0.1.1",

@@ -175,7 +175,8 @@ class UcxPlane:
         for (_, mine), result in zip(jobs, results):
             for (_, op_index, *_), ok in zip(mine, result.done):
                 done[op_index] = done[op_index] and ok
-        return GetResult(tuple(done), any(r.uncertain for r in results), next((r.error for r in results if r.error), ""))
+        error = next((r.error for r in results if r.error), "")
+        return GetResult(tuple(done), any(r.uncertain for r in results), error)
 
     def _get_on_lane(self, lane: "_Lane", peer_address: bytes, rkeys: dict[int, bytes], remote_base: int,
                      pieces: list[tuple[int, int, int, int, int]], timeout_s: float, abandon_s: float) -> GetResult:
