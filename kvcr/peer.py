@@ -27,6 +27,7 @@ from .proto.pull import delivered_prefix, plan_gets
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 0.5
+LEASE_MARGIN = 0.2  # of the lease: slack for clock-rate differences between us and the source
 
 
 class PeerError(RuntimeError):
@@ -57,6 +58,7 @@ class Confirmation:
     offsets: list[int]
     raw_announces: list  # wire form; decoded only by a puller that publishes what it receives
     deadline: float  # monotonic: the lease cannot have ended before this (measured from our request)
+    sent: float      # when we sent the claim
     digests: list[int] = field(default_factory=list)  # per page, when verify_transfer_bytes
     released: bool = False
 
@@ -154,15 +156,20 @@ class Puller:
             return self.confirm(endpoint, pool, page_hexes, _retry=False) if _retry else None
         if not reply.offsets:
             return None
-        return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s,
+        return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s, sent,
                             reply.digests)
 
-    def release(self, conf: Confirmation, *, drop: bool = False) -> tuple[bool, ...]:
+    def release(self, conf: Confirmation, *, drop: bool = False, wait: bool = True) -> tuple[bool, ...]:
         """End the claim (idempotent). Returns per page whether the source slot stayed live.
-        `drop` (move mode) asks the source to drop its copies of the pages that stayed live."""
+        `drop` (move mode) asks the source to drop its copies of the pages that stayed live.
+        `wait=False` sends the release without waiting for its answer (returns ())."""
         if conf.released:
             return ()
         conf.released = True
+        if not wait:
+            with conf.source.lock:
+                conf.source.client.send(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop))
+            return ()
         try:
             # Short: a source that does not answer ends the claim by lease anyway.
             with conf.source.lock:
@@ -188,10 +195,15 @@ class Puller:
             live = self.release(conf)
             return PullResult(0, False, f"{type(exc).__name__}: {exc}")
         finished = time.monotonic()
-        live = self.release(conf, drop=move and src.can_move and all(result.done) and not result.error)
+        # The source cannot reuse a claimed slot before the lease ends, and our deadline was taken
+        # before the source started the lease. GETs that finished well inside it read the claimed
+        # bytes, so the release need not be waited for; a late finish asks the source (generations).
+        in_lease = finished < conf.deadline - LEASE_MARGIN * (conf.deadline - conf.sent)
+        drop = move and src.can_move and all(result.done) and not result.error
+        live = self.release(conf, drop=drop, wait=drop or not in_lease)  # a move waits: it changes the source
         if not live and finished < conf.deadline:
-            # No release answer (the source died), but every GET ended inside the lease: the source
-            # could not have reused those slots, so what arrived is what was claimed.
+            # No release answer (not asked, or the source died), but every GET ended inside the
+            # lease: the source could not have reused those slots, so what arrived is what was claimed.
             live = (True,) * n
         delivered = delivered_prefix(ops, result.done, live, n)
         if conf.digests:
