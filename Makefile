@@ -43,6 +43,8 @@ test: setup sglang-setup dynamo-setup
 bench: sglang-setup
 	$(VENV)/bin/python bench/dram_pool.py
 	$(VENV)/bin/python bench/nvme.py
+	$(VENV)/bin/python bench/peer_pull.py
+	$(VENV)/bin/python bench/vs_nvidia_kvcr.py
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) build *.egg-info
+	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info
