@@ -61,3 +61,16 @@ def write_section(name: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     DOC.write_text(text)
+
+
+def table(columns: list[str], rows: list[str]) -> list[str]:
+    """Markdown table lines: header, separator, rows."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
+
+
+def publish(name: str, title: str, intro: str, tables: list[list[str]], *, write: bool) -> None:
+    """Print where the results went and write the section `name` of docs/benchmarks.md."""
+    body = "\n".join([f"## {title}", "", intro, *(line for t in tables for line in ["", *t])])
+    if write:
+        write_section(name, body)
+        print("wrote docs/benchmarks.md")

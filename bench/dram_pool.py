@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Spread, alternate, machine_line, timed, write_section  # noqa: E402
+from bench.common import Spread, alternate, machine_line, publish, table, timed  # noqa: E402
 from kvcr.config import load_config  # noqa: E402
 from kvcr.proto.announce import announce_request  # noqa: E402
 from kvcr.proto.keys import request_page_hashes  # noqa: E402
@@ -103,24 +103,17 @@ def main() -> int:
             rows.append(f"| {op} | {page_bytes >> 10} KiB | {pages} | {x['base'].fmt()} | {x['cand'].fmt()} | "
                         f"{x['ratio'].fmt(100, 0)} % | {x['overhead_us'].fmt(1, 2)} | {x['books_us'].fmt(1, 2)} |")
             print(rows[-1])
-    body = "\n".join([
-        "## DRAM pool: batch put/get vs. a single-thread copy",
-        "",
-        f"`python bench/dram_pool.py --repeats {repeats}` on {machine_line()}. Median (min–max) of {repeats} "
-        "alternating baseline/candidate repeats. Baseline: memcpy (memoryview slice assignment) between "
-        "pre-faulted buffers, same pages. Candidate: `Runner.put` (reserve, copy into the shared-memory "
-        "pool, commit, record the `BlockStored` event) and `Runner.read_into` (claim, copy out, release). "
-        "Overhead = (candidate − baseline) time per page; it includes the cost of writing into a "
-        "different (shared-memory) destination. Bookkeeping = the same batch's reserve + commit "
-        "(put) or claim + release (get) with no bytes copied, per page.",
-        "",
-        "| op | page | pages/batch | baseline GB/s | kvcr GB/s | kvcr/baseline | overhead µs/page | "
-        "bookkeeping µs/page |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows])
-    if not args.no_write:
-        write_section("dram_pool", body)
-        print("wrote docs/benchmarks.md")
+    intro = (f"`python bench/dram_pool.py --repeats {repeats}` on {machine_line()}. Median (min–max) of {repeats} "
+             "alternating baseline/candidate repeats. Baseline: memcpy (memoryview slice assignment) between "
+             "pre-faulted buffers, same pages. Candidate: `Runner.put` (reserve, copy into the shared-memory "
+             "pool, commit, record the `BlockStored` event) and `Runner.read_into` (claim, copy out, release). "
+             "Overhead = (candidate − baseline) time per page; it includes the cost of writing into a "
+             "different (shared-memory) destination. Bookkeeping = the same batch's reserve + commit "
+             "(put) or claim + release (get) with no bytes copied, per page.")
+    columns = ["op", "page", "pages/batch", "baseline GB/s", "kvcr GB/s",
+               "kvcr/baseline", "overhead µs/page", "bookkeeping µs/page"]
+    publish("dram_pool", "DRAM pool: batch put/get vs. a single-thread copy", intro, [table(columns, rows)],
+            write=not args.no_write)
     return 0
 
 

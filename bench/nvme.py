@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Spread, machine_line, write_section  # noqa: E402
+from bench.common import Spread, machine_line, publish, table  # noqa: E402
 from kvcr.drivers.nvme import DiskTier  # noqa: E402
 from kvcr.proto.disk_index import DiskIndex  # noqa: E402
 from kvcr.proto.keys import Namespace  # noqa: E402
@@ -169,24 +169,18 @@ def main() -> int:
             rows.append(write_case(root / f"wc{page_bytes}", page_bytes, pages, repeats))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    body = "\n".join([
-        "## NVMe tier: reads and writes",
-        "",
-        f"`python bench/nvme.py --repeats {repeats}` on {machine_line()}, "
-        f"files on `{args.dir or tempfile.gettempdir()}`. "
-        f"Median (min–max) of {repeats} alternating repeats, GB/s. Cold: every file dropped from the page cache "
-        "(fsync + `POSIX_FADV_DONTNEED`) before each system's turn. Baseline for cold reads: a thread pool of "
-        "the same size doing open + preadv into pre-allocated buffers (the device limit); for warm reads: one "
-        "memcpy of the same bytes; for writes: SGLang `HiCacheFile.set` (serial, `tofile` + rename). kvcr "
-        "reads check size and the xxh3 digest of every page; kvcr writes include the temporary file, "
-        "`link` publish and manifest record.",
-        "",
-        "| op | page | workers | baseline | kvcr | kvcr/baseline | HiCacheFile (cold) | kvcr/HiCacheFile |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows])
-    if not args.no_write:
-        write_section("nvme", body)
-        print("wrote docs/benchmarks.md")
+    intro = (f"`python bench/nvme.py --repeats {repeats}` on {machine_line()}, "
+             f"files on `{args.dir or tempfile.gettempdir()}`. "
+             f"Median (min–max) of {repeats} alternating repeats, GB/s. Cold: every file dropped from the page cache "
+             "(fsync + `POSIX_FADV_DONTNEED`) before each system's turn. Baseline for cold reads: a thread pool of "
+             "the same size doing open + preadv into pre-allocated buffers (the device limit); for warm reads: one "
+             "memcpy of the same bytes; for writes: SGLang `HiCacheFile.set` (serial, `tofile` + rename). kvcr "
+             "reads check size and the xxh3 digest of every page; kvcr writes include the temporary file, "
+             "`link` publish and manifest record.")
+    columns = ["op", "page", "workers", "baseline", "kvcr",
+               "kvcr/baseline", "HiCacheFile (cold)", "kvcr/HiCacheFile"]
+    publish("nvme", "NVMe tier: reads and writes", intro, [table(columns, rows)],
+            write=not args.no_write)
     return 0
 
 

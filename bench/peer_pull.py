@@ -146,7 +146,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, repeats, args.quick)))
         return 0
-    from bench.common import machine_line, write_section
+    from bench.common import machine_line, publish, table
 
     rows, lines = [], []
     for name, tls in TRANSPORTS.items():
@@ -170,35 +170,21 @@ def main() -> int:
                  f"{r['rtt_ms'][int(len(r['rtt_ms']) * 0.99) - 1]:.3f} |" for r in rtt]
     for line in rtt_lines:
         print("claim RTT", line)
-    body = "\n".join([
-        "## Peer pulls over UCX",
-        "",
-        f"`python bench/peer_pull.py --repeats {repeats}` on {machine_line()}: a source runner process and "
-        f"this process, loopback. Median (min–max) of {repeats} alternating repeats, GB/s. Baseline: the same "
-        "one-sided GETs on the same endpoint and rkey, no claim or release (blocking-mode progress at the source, "
-        "our own polling at the destination, all GETs of a batch in flight, `UCX_TCP_*_SEG_SIZE=256k`). "
-        "kvcr: `Puller.pull` = claim round trip over ZMQ, the GETs, release round trip, liveness check. Pages "
-        "under 64 KiB are scattered over the destination (one GET per page); larger ones are coalesced into "
-        "one GET per contiguous run (`GETs` column). Overhead = (kvcr − baseline) time per page. The last "
-        "column is the two-sided fallback (`runner.transfer = \"tag\"`: receives posted, the source sends).",
-        "",
-        "| transport | page | pages | GETs | baseline GB/s | kvcr GB/s | kvcr/baseline | overhead µs/page | "
-        "kvcr tagged fallback GB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *lines,
-        "",
-        "Claim round trip (confirm of 128 pages + release, 200 samples), ms:",
-        "",
-        "| transport | p50 | p99 |",
-        "|---|---|---|",
-        *rtt_lines,
-        "",
-        "Not measured yet: NVIDIA kvcr 0.1.1's own `deliver` in the same run (the reference reports about "
-        "1.5 GB/s for 32 × 1 MiB on this kind of host).",
-    ])
-    if not args.no_write:
-        write_section("peer_pull", body)
-        print("wrote docs/benchmarks.md")
+    intro = (f"`python bench/peer_pull.py --repeats {repeats}` on {machine_line()}: a source runner process and "
+             f"this process, loopback. Median (min–max) of {repeats} alternating repeats, GB/s. Baseline: the same "
+             "one-sided GETs on the same endpoint and rkey, no claim or release (blocking-mode progress at the "
+             "source, our own polling at the destination, all GETs of a batch in flight, "
+             "`UCX_TCP_*_SEG_SIZE=256k`). kvcr: `Puller.pull` = claim round trip over ZMQ, the GETs, release. "
+             "Pages under 64 KiB are scattered over the destination (one GET per page); larger ones are "
+             "coalesced into one GET per contiguous run (`GETs` column). Overhead = (kvcr − baseline) time per "
+             "page. The last column is the two-sided fallback (`runner.transfer = \"tag\"`: receives posted, "
+             "the source sends).\n\nClaim round trip (confirm of 128 pages + release, 200 samples), ms: see "
+             "the second table.")
+    columns = ["transport", "page", "pages", "GETs", "baseline GB/s", "kvcr GB/s", "kvcr/baseline",
+               "overhead µs/page", "kvcr tagged fallback GB/s"]
+    publish("peer_pull", "Peer pulls over UCX", intro,
+            [table(columns, lines), table(["transport", "claim RTT p50 ms", "p99 ms"], rtt_lines)],
+            write=not args.no_write)
     return 0
 
 

@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    from bench.common import Spread, machine_line, write_section
+    from bench.common import Spread, machine_line, publish, table
 
     python = reference_python()
     rows = []
@@ -117,21 +117,13 @@ def main() -> int:
                     f"({Spread.of(o_gbps).fmt()} GB/s) | "
                     f"{Spread.of([o / t for o, t in zip(o_gbps, t_gbps)]).fmt(1, 1)}x |")
         print(rows[-1])
-    body = "\n".join([
-        "## Against NVIDIA kvcr 0.1.1",
-        "",
-        f"`python bench/vs_nvidia_kvcr.py --repeats {max(5, args.repeats)}` on {machine_line()}. NVIDIA kvcr "
-        "0.1.1 with NIXL 1.5.0 over UCX (its defaults), two instances in one process, hinted remote `deliver` "
-        "(hint + deliver + completion). kvcr: `Puller.pull` (claim, GETs, release) from a source runner in "
-        "another process over shared memory. Each repeat runs both; each run is the median of 10 transfers "
-        "after a warm-up, bytes checked every time. Median (min–max) over repeats.",
-        "",
-        "| transfer | NVIDIA kvcr 0.1.1 | kvcr | kvcr / NVIDIA |",
-        "|---|---|---|---|",
-        *rows])
-    if not args.no_write:
-        write_section("vs_nvidia_kvcr", body)
-        print("wrote docs/benchmarks.md")
+    intro = (f"`python bench/vs_nvidia_kvcr.py --repeats {max(5, args.repeats)}` on {machine_line()}. NVIDIA "
+             "kvcr 0.1.1 with NIXL 1.5.0 over UCX (its defaults), two instances in one process, hinted remote "
+             "`deliver` (hint + deliver + completion). kvcr: `Puller.pull` (claim, GETs, release) from a source "
+             "runner in another process over shared memory. Each repeat runs both; each run is the median of 10 "
+             "transfers after a warm-up, bytes checked every time. Median (min–max) over repeats.")
+    publish("vs_nvidia_kvcr", "Against NVIDIA kvcr 0.1.1", intro,
+            [table(["transfer", "NVIDIA kvcr 0.1.1", "kvcr", "kvcr / NVIDIA"], rows)], write=not args.no_write)
     return 0
 
 
