@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import xxhash
+import zmq
 
 from .client import ControlClient, ControlError
 from .config import CurveKeys
@@ -27,6 +28,7 @@ from .proto.pull import delivered_prefix, plan_gets
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 0.5
+OUTSIDE_REGISTERED = "pages outside the memory the source had registered when we connected"
 LEASE_MARGIN = 0.2  # of the lease: slack for clock-rate differences between us and the source
 
 
@@ -59,6 +61,7 @@ class Confirmation:
     raw_announces: list  # wire form; decoded only by a puller that publishes what it receives
     deadline: float  # monotonic: the lease cannot have ended before this (measured from our request)
     sent: float      # when we sent the claim
+    page_bytes: int  # ours, checked against the source's
     digests: list[int] = field(default_factory=list)  # per page, when verify_transfer_bytes
     released: bool = False
 
@@ -87,6 +90,7 @@ class Puller:
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
     curve: CurveKeys | None = None
     verify_transfer_bytes: bool = False  # per-page digest from the source, checked after the GETs
+    page_bytes: dict[str, int] = field(default_factory=dict)  # our page size per pool: a source must match
     transport: str = "get"  # "get": one-sided RMA; "tag": the source sends into receives we posted
     num_digest_mismatches: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
@@ -105,7 +109,13 @@ class Puller:
 
     def _connect(self, endpoint: str) -> PeerSource:
         client = ControlClient(endpoint, timeout_s=self.timeout_s, curve=self.curve)
-        info = client.info()
+        try:
+            return self._describe(endpoint, client, client.info())
+        except BaseException:
+            client.close()
+            raise
+
+    def _describe(self, endpoint: str, client: ControlClient, info: dict) -> PeerSource:
         if info["protocol"][0] != m.PROTOCOL_MAJOR:
             raise PeerError(f"{endpoint} speaks protocol {info['protocol']}, we speak "
                             f"{[m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR]}")
@@ -121,7 +131,8 @@ class Puller:
         with self._lock:
             src = self._sources.pop(endpoint, None)
         if src is not None:
-            src.client.close()
+            with src.lock:  # not while another thread uses the socket
+                src.client.close()
 
     def lookup(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> list[int]:
         src = self.source(endpoint)
@@ -156,18 +167,44 @@ class Puller:
             return self.confirm(endpoint, pool, page_hexes, _retry=False) if _retry else None
         if not reply.offsets:
             return None
+        problem = self._check_grant(reply, len(page_hexes), pool, src)
+        if problem:  # a source that answers nonsense gets nothing from us but its claim back
+            log.warning("claim reply from %s refused: %s", endpoint, problem)
+            with src.lock, contextlib.suppress(ControlError, TimeoutError):
+                src.client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
+            if problem == OUTSIDE_REGISTERED and _retry:  # it registered more since we asked: look again
+                self.forget(endpoint)
+                return self.confirm(endpoint, pool, page_hexes, _retry=False)
+            return None
         return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s, sent,
-                            reply.digests)
+                            src.page_bytes[pool], reply.digests)
 
-    def release(self, conf: Confirmation, *, drop: bool = False, wait: bool = True) -> tuple[bool, ...]:
+    def _check_grant(self, reply: m.Granted, asked: int, pool: str, src: PeerSource) -> str:
+        ours = self.page_bytes.get(pool)
+        if ours is not None and src.page_bytes.get(pool) != ours:
+            return f"pool {pool!r} pages are {src.page_bytes.get(pool)} bytes there, {ours} here"
+        if len(reply.offsets) > asked or not all(type(o) is int and o >= 0 for o in reply.offsets):
+            return "offsets are not one non-negative integer per page asked for"
+        if self.verify_transfer_bytes and (len(reply.digests) != len(reply.offsets)
+                                           or not all(type(d) is int for d in reply.digests)):
+            return "digests were asked for but not given for every page"
+        if not 0 < reply.lease_s <= 3600:
+            return f"lease {reply.lease_s!r} is not a duration"
+        size = src.page_bytes[pool]
+        if not all(any(start <= o and o + size <= start + length for start, length in src.chunks)
+                   for o in reply.offsets):
+            return OUTSIDE_REGISTERED
+        return ""
+
+    def release(self, conf: Confirmation, *, drop: int = 0, wait: bool = True) -> tuple[bool, ...]:
         """End the claim (idempotent). Returns per page whether the source slot stayed live.
-        `drop` (move mode) asks the source to drop its copies of the pages that stayed live.
+        `drop` (move mode): the source drops its copies of this many leading pages (those still live).
         `wait=False` sends the release without waiting for its answer (returns ())."""
         if conf.released:
             return ()
         conf.released = True
         if not wait:
-            with conf.source.lock:
+            with conf.source.lock, contextlib.suppress(zmq.ZMQError):  # else its lease ends it
                 conf.source.client.send(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop))
             return ()
         try:
@@ -184,30 +221,31 @@ class Puller:
         """GET the confirmed pages into `destinations` (addresses), then release the claim.
 
         With `move` (only towards sources that advertise it) the release asks the source to drop
-        its copies, but only when every GET completed: a failed pull never costs the source a page."""
+        its copies of the pages we verifiably received, and only those."""
         src = conf.source
         n = min(conf.num_pages, len(destinations))
-        page_bytes = src.page_bytes[conf.pool]
-        ops = plan_gets(destinations[:n], conf.offsets[:n], page_bytes, chunks=src.chunks)
+        ops = plan_gets(destinations[:n], conf.offsets[:n], conf.page_bytes, chunks=src.chunks)
         try:
             result = self._transfer(conf, ops)
-        except Exception as exc:  # the claim is still released below
-            live = self.release(conf)
-            return PullResult(0, False, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # nothing proves the transfer stopped: the buffers are uncertain
+            self.release(conf)
+            log.warning("pull from %s failed: %s", src.endpoint, exc)
+            return PullResult(0, True, f"{type(exc).__name__}: {exc}")
         finished = time.monotonic()
+        arrived = delivered_prefix(ops, result.done, (True,) * n, n)
+        if conf.digests:
+            arrived = self._verified_prefix(conf, destinations, arrived)
         # The source cannot reuse a claimed slot before the lease ends, and our deadline was taken
         # before the source started the lease. GETs that finished well inside it read the claimed
         # bytes, so the release need not be waited for; a late finish asks the source (generations).
         in_lease = finished < conf.deadline - LEASE_MARGIN * (conf.deadline - conf.sent)
-        drop = move and src.can_move and all(result.done) and not result.error
-        live = self.release(conf, drop=drop, wait=drop or not in_lease)  # a move waits: it changes the source
-        if not live and finished < conf.deadline:
+        drop = arrived if move and src.can_move and not result.uncertain else 0
+        live = self.release(conf, drop=drop, wait=bool(drop) or not in_lease)  # a move changes the source
+        if not live and in_lease:
             # No release answer (not asked, or the source died), but every GET ended inside the
             # lease: the source could not have reused those slots, so what arrived is what was claimed.
             live = (True,) * n
-        delivered = delivered_prefix(ops, result.done, live, n)
-        if conf.digests:
-            delivered = self._verified_prefix(conf, destinations, delivered, page_bytes)
+        delivered = min(arrived, delivered_prefix(ops, result.done, live, n))
         if result.error:
             self.forget(src.endpoint)
         return PullResult(delivered, result.uncertain, result.error)
@@ -230,8 +268,8 @@ class Puller:
                 if not answer:
                     try:
                         reply = src.client.poll_reply(request_id)
-                    except ControlError as exc:
-                        log.info("%s refused to send: %s", src.endpoint, exc)
+                    except Exception as exc:  # refused, or a reply we cannot read: nothing more will come
+                        log.info("%s did not send: %s", src.endpoint, exc)
                         answer.append(False)
                         return False
                     if reply is not None:
@@ -241,10 +279,10 @@ class Puller:
             return self.plane.receive_tagged(tagged, source_answer, timeout_s=self.timeout_s,
                                              abandon_s=self.abandon_s)
 
-    def _verified_prefix(self, conf: Confirmation, destinations: Sequence[int], n: int, page_bytes: int) -> int:
+    def _verified_prefix(self, conf: Confirmation, destinations: Sequence[int], n: int) -> int:
         """Cut the delivered run at the first page whose bytes differ from the source's digest."""
         for i in range(n):
-            page = (ctypes.c_char * page_bytes).from_address(destinations[i])
+            page = (ctypes.c_char * conf.page_bytes).from_address(destinations[i])
             if xxhash.xxh3_64_intdigest(page) != conf.digests[i]:
                 self.num_digest_mismatches += 1
                 log.warning("page %d from %s does not match its digest: not delivered", i, conf.source.endpoint)

@@ -225,14 +225,15 @@ class Runner:
         with self.lock:
             return self.claims.renew(claim_id, owner=owner, now=self.clock())
 
-    def release(self, claim_id: int, *, owner: str = "local", drop: bool = False) -> Release:
-        """End a claim. `drop` (move mode): remove the claimed pages that stayed live, in every tier."""
+    def release(self, claim_id: int, *, owner: str = "local", drop: int = 0) -> Release:
+        """End a claim. `drop` (move mode): remove, in every tier, the first `drop` claimed pages
+        that stayed live (the ones the puller verifiably received)."""
         with self.lock:
             claim = self.claims.peek(claim_id)
             result = self.claims.release(claim_id, owner=owner)
             self._flush_events()
-        if drop and claim is not None:
-            moved = [p.key for p, live in zip(claim.pages, result.live) if live]
+        if drop > 0 and claim is not None:
+            moved = [p.key for p, live in zip(claim.pages[:drop], result.live) if live]
             self.remove(claim.pool.name, moved)
         return result
 
@@ -297,17 +298,22 @@ class Runner:
             self.puller.release(conf)
             return have
         slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
-        result = self.puller.deliver(conf, [self.region_address + self.offset(pool, p.slot) for p in slots],
-                                     move=move)
-        if result.uncertain:
-            # The source may still write into these slots: never hand them out again (quarantine).
-            with self.lock:
-                self.num_uncertain += len(slots)
-            return have
-        ok = [i < result.delivered for i in range(len(fill.pages))]
-        committed = self.commit(fill.fill_id, ok)
+        result = None
+        try:
+            result = self.puller.deliver(conf, [self.region_address + self.offset(pool, p.slot) for p in slots],
+                                         move=move)
+        finally:
+            if result is None or result.uncertain:
+                # The transfer may still write into these slots: never hand them out again.
+                with self.lock:
+                    self.num_uncertain += self.claims.quarantine(fill.fill_id, owner="local")
+                    self._flush_events()
+            else:
+                ok = [i < result.delivered for i in range(len(fill.pages))]
+                committed = self.commit(fill.fill_id, ok)
+                with self.lock:
+                    self.num_pulled += committed
         with self.lock:
-            self.num_pulled += committed
             return self.pool(pool).leading_ready(keys)
 
     def spill(self, pool: str) -> int:
@@ -320,16 +326,19 @@ class Runner:
             keys = p.lru_keys(used - int(p.capacity * self.cfg.dram.low_watermark))
             pages = p.pin_prefix(keys, len(keys))  # internal pin: not subject to the claim limit
             todo = [pg for pg in pages if disk is not None and disk.name(pg.key[:64]) not in disk.index]
+        written: list[bool] = []
         try:
             if todo:
-                disk.write([pg.key[:64] for pg in todo], [self.slot_view(pool, pg) for pg in todo],
-                           [pg.announce for pg in todo])
+                written = disk.write([pg.key[:64] for pg in todo], [self.slot_view(pool, pg) for pg in todo],
+                                     [pg.announce for pg in todo])
         finally:
+            failed = {pg.key for pg, ok in zip(todo, written or [False] * len(todo)) if not ok}
             with self.lock:
                 p.unpin(pages)
-                removed = p.remove([pg.key for pg in pages])
+                # A page the disk refused stays in DRAM: dropping it here would lose it.
+                removed = p.remove([pg.key for pg in pages if pg.key not in failed])
                 p.num_evicted += removed
-                self.num_spilled += len(todo)
+                self.num_spilled += len(todo) - len(failed)
                 self._flush_events()
         return removed
 
@@ -360,19 +369,27 @@ class Runner:
                 p.unpin(pages)
                 self._flush_events()
 
-    def claimed_ranges(self, claim_id: int, owner: str, ranges: Sequence[tuple[int, int]]) -> bool:
-        """Whether every (region offset, nbytes) lies on whole pages this claim holds."""
+    def pin_claimed(self, claim_id: int, owner: str, ranges: Sequence[tuple[int, int]]
+                    ) -> tuple[PagePool, list[Page]] | None:
+        """Pin the claim's pages once more (for sends that may outlive its lease) if every (region
+        offset, nbytes) lies on whole pages of the claim; None otherwise."""
         with self.lock:
             claim = self.claims.held(claim_id, owner)
             layout = self.layouts[claim.pool.name]
             held = {self.offset(layout.name, p.slot) for p in claim.pages}
-        for offset, nbytes in ranges:
             step = layout.page_bytes
-            if nbytes <= 0 or nbytes % step or (nbytes > step and layout.stride != step):
-                return False
-            if any(o not in held for o in range(offset, offset + nbytes, step)):
-                return False
-        return True
+            for offset, nbytes in ranges:
+                if nbytes <= 0 or nbytes % step or (nbytes > step and layout.stride != step):
+                    return None
+                if any(o not in held for o in range(offset, offset + nbytes, step)):
+                    return None
+            claim.pool.pin_pages(claim.pages)
+            return claim.pool, list(claim.pages)
+
+    def unpin(self, pool: PagePool, pages: Sequence[Page]) -> None:
+        with self.lock:
+            pool.unpin(pages)
+            self._flush_events()
 
     def get(self, pool: str, keys: Sequence[str]) -> list[bytes]:
         """Copies of the leading run of present pages (shorter than `keys` on a miss)."""

@@ -44,7 +44,8 @@ class Service:
                                         timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
                                         trusted=trusted, curve=cfg.curve(),
                                         verify_transfer_bytes=cfg.runner.verify_transfer_bytes,
-                                        transport=cfg.runner.transfer)
+                                        transport=cfg.runner.transfer,
+                                        page_bytes={n: lay.page_bytes for n, lay in self.runner.layouts.items()})
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot, curve=cfg.curve())
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
@@ -64,7 +65,9 @@ class Service:
     def start(self) -> "Service":
         self.publisher.start()
         if self.plane is not None:
-            self.plane.register_region(self.runner.region.address, self.runner.region.size)
+            self.plane.register_region(self.runner.region.address, self.runner.region.size,
+                                       ranges=[(lay.offset, lay.stride * lay.num_slots, lay.stride)
+                                               for lay in self.runner.layouts.values()])
         self.runner.announce_start()
         self.runner.start_disk_scans()
         self._housekeeper.start()

@@ -21,7 +21,7 @@ CHAINS = [(request_page_hashes(t, BLOCK), announce_request(t, BLOCK)) for t in P
 
 def accounting_holds(pool: PagePool) -> bool:
     s = pool.statistics()
-    return s.num_free + s.num_ready + s.num_filling + s.num_discarding == s.capacity
+    return s.num_free + s.num_ready + s.num_filling + s.num_discarding + s.num_quarantined == s.capacity
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,7 +36,15 @@ from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progre
 
 log = logging.getLogger(__name__)
 REGISTRATION_CHUNK = 1 << 30
-PARALLEL_MIN_BYTES = 8 << 20  # smaller transfers stay on one lane: a thread hand-off costs more
+PARALLEL_MIN_BYTES = 8 << 20
+MAX_SEND_ENDPOINTS = 256  # smaller transfers stay on one lane: a thread hand-off costs more
+
+
+def _close_quietly(ep) -> None:
+    try:
+        ep.close_blocking(100_000_000, 10)
+    except Exception:  # a dead peer's endpoint may fail to close; it is gone either way
+        log.debug("closing an endpoint failed", exc_info=True)
 
 
 def _array(address: int, nbytes: int) -> Array:
@@ -67,6 +76,7 @@ class _Lane:
         self.worker = worker
         self.lock = threading.Lock()
         self.endpoints: dict[bytes, tuple[object, dict[bytes, RemoteKey]]] = {}
+        self.parked: list[tuple[object, dict[bytes, RemoteKey]]] = []  # never destroyed (see park)
 
     def endpoint(self, peer_address: bytes):
         entry = self.endpoints.get(peer_address)
@@ -75,6 +85,12 @@ class _Lane:
                                                                  True)
             entry = self.endpoints[peer_address] = (ep, {})
         return entry
+
+    def park(self, peer_address: bytes) -> None:
+        """Stop using an endpoint that still has requests in flight, without destroying it."""
+        entry = self.endpoints.pop(peer_address, None)
+        if entry is not None:
+            self.parked.append(entry)
 
     def forget(self, peer_address: bytes) -> int:
         """Drop the endpoint; returns rkeys that could not be destroyed (UCX tore the endpoint down)."""
@@ -113,7 +129,7 @@ class UcxPlane:
         self._lane_pool = ThreadPoolExecutor(max(1, lanes - 1), thread_name_prefix="kvcr-ucx-lane")
         self.pull_worker = self._lanes[0].worker
         self.pull_address = self.pull_worker.address.tobytes()
-        self._send_endpoints: dict[bytes, object] = {}
+        self._send_endpoints: OrderedDict[bytes, object] = OrderedDict()
         self.num_leaked_rkeys = 0
         self._lock = threading.Lock()  # one thread progresses the worker during a pull
         self._registrations: list[MemoryRegistration] = []
@@ -127,13 +143,19 @@ class UcxPlane:
 
     # --- source side -----------------------------------------------------------------------------
 
-    def register_region(self, base: int, length: int, chunk: int = REGISTRATION_CHUNK) -> threading.Thread:
-        """Register [base, base + length) in chunks on a background thread."""
+    def register_region(self, base: int, length: int, chunk: int = REGISTRATION_CHUNK,
+                        ranges: list[tuple[int, int, int]] | None = None) -> threading.Thread:
+        """Register the region in chunks on a background thread. `ranges` ((offset, length, stride)
+        per pool) cut chunks on page boundaries, so no page straddles two registrations."""
+        pieces = []
+        for offset, size, stride in ranges or [(0, length, 1)]:
+            step = max(stride, chunk // stride * stride)
+            pieces += [(offset + o, min(step, size - o)) for o in range(0, size, step)]
+
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                for offset in range(0, length, chunk):
-                    size = min(chunk, length - offset)
+                for offset, size in pieces:
                     reg = MemoryRegistration.register(self.context.handle, base + offset, size)
                     with self._lock:
                         self._registrations.append(reg)
@@ -163,20 +185,33 @@ class UcxPlane:
         """GETs of (local_address, nbytes, remote_offset), each inside one registered chunk of the
         peer (`rkeys` maps chunk offset -> packed rkey). Large transfers are split over the lanes
         (one worker and thread each): over shared memory the copy runs in the caller's CPU."""
+        if not ops:
+            return GetResult(())
+        if not rkeys:
+            return GetResult((False,) * len(ops), error="the peer has no registered memory yet")
         pieces = _split(ops, len(self._lanes) if sum(n for _, n, _ in ops) >= PARALLEL_MIN_BYTES else 1)
         jobs = [(lane, [p for p in pieces if p[0] == i]) for i, lane in enumerate(self._lanes)]
         jobs = [(lane, mine) for lane, mine in jobs if mine]
-        futures = [self._lane_pool.submit(self._get_on_lane, lane, peer_address, rkeys, remote_base, mine,
+        futures = [self._lane_pool.submit(self._lane_get, lane, peer_address, rkeys, remote_base, mine,
                                           timeout_s, abandon_s) for lane, mine in jobs[1:]]
         lane, mine = jobs[0]  # the first share runs in this thread
-        results = [self._get_on_lane(lane, peer_address, rkeys, remote_base, mine, timeout_s, abandon_s)]
-        results += [f.result() for f in futures]
+        results = [self._lane_get(lane, peer_address, rkeys, remote_base, mine, timeout_s, abandon_s)]
+        results += [f.result() for f in futures]  # every lane finishes before we answer
         done = [True] * len(ops)
         for (_, mine), result in zip(jobs, results):
             for (_, op_index, *_), ok in zip(mine, result.done):
                 done[op_index] = done[op_index] and ok
         error = next((r.error for r in results if r.error), "")
         return GetResult(tuple(done), any(r.uncertain for r in results), error)
+
+    def _lane_get(self, lane: "_Lane", *args) -> GetResult:
+        """A lane's GETs; an unexpected failure leaves its buffers uncertain (nothing proves they stopped)."""
+        pieces = args[3]
+        try:
+            return self._get_on_lane(lane, *args)
+        except Exception as exc:
+            log.exception("GETs on a lane failed")
+            return GetResult((False,) * len(pieces), uncertain=True, error=f"{type(exc).__name__}: {exc}")
 
     def _get_on_lane(self, lane: "_Lane", peer_address: bytes, rkeys: dict[int, bytes], remote_base: int,
                      pieces: list[tuple[int, int, int, int, int]], timeout_s: float, abandon_s: float) -> GetResult:
@@ -197,20 +232,26 @@ class UcxPlane:
                 results[chunk] = get_batch(lane.worker.handle, ep.handle, key, chunk_ops, timeout_s=timeout_s,
                                            abandon_s=abandon_s, alive=lambda: ep.alive)
             error = next((r.error for r in results.values() if r.error), "")
-            if error:
+            uncertain = any(r.uncertain for r in results.values())
+            if uncertain:
+                lane.park(peer_address)  # requests may still run: their endpoint and keys must outlive them
+            elif error:
                 self.num_leaked_rkeys += lane.forget(peer_address)  # a failed peer gets a fresh endpoint
-            return GetResult(tuple(results[chunk].done[i] for chunk, i in order),
-                             any(r.uncertain for r in results.values()), error)
+            return GetResult(tuple(results[chunk].done[i] for chunk, i in order), uncertain, error)
 
     # --- two-sided fallback: tagged sends into buffers the destination posted -------------------
 
     def send_tagged(self, peer_address: bytes, ops: list[tuple[int, int, int]], timeout_s: float) -> list[bool]:
         """Source side: tag-send (address, nbytes, tag) to a puller's worker; True per completed send."""
         with self._lock:
-            ep = self._send_endpoints.get(peer_address)
+            ep = self._send_endpoints.pop(peer_address, None)
             if ep is None:
-                ep = self._send_endpoints[peer_address] = self.worker.create_endpoint_from_worker_address(
-                    ucx.UCXAddress.create_from_buffer(peer_address), True)
+                if len(self._send_endpoints) >= MAX_SEND_ENDPOINTS:  # oldest peer out
+                    _, old = self._send_endpoints.popitem(last=False)
+                    _close_quietly(old)
+                ep = self.worker.create_endpoint_from_worker_address(ucx.UCXAddress.create_from_buffer(peer_address),
+                                                                     True)
+            self._send_endpoints[peer_address] = ep  # most recently used last
             requests = [ep.tag_send(_array(addr, n), ucx.UCXXTag(tag)) for addr, n, tag in ops]
         deadline = time.monotonic() + timeout_s
         while not all(r.completed for r in requests) and time.monotonic() < deadline:
@@ -247,10 +288,7 @@ class UcxPlane:
                 self.num_leaked_rkeys += lane.forget(peer)
         self._lane_pool.shutdown(wait=True)
         for ep in self._send_endpoints.values():
-            try:
-                ep.close_blocking(100_000_000, 10)
-            except Exception:
-                log.debug("closing a send endpoint failed", exc_info=True)
+            _close_quietly(ep)
         self._send_endpoints.clear()
         try:
             self.worker.stop_progress_thread()

@@ -188,7 +188,8 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
             error = error or f"ucp_get_nbx failed with status {status}"
             break
     flush_status, flush = _status_of(_lib.ucp_ep_flush_nbx(ep, _NO_PARAMS) if alive() else None)
-    if flush is None and (flush_status != UCS_OK or not alive()):
+    flush_ok = flush is not None or (flush_status == UCS_OK and alive())
+    if not flush_ok:
         error = error or f"ucp_ep_flush_nbx failed with status {flush_status}"
     deadline = time.monotonic() + timeout_s
     cancelled = False
@@ -207,6 +208,7 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
                 _lib.ucp_request_free(flush)
                 flush = None
                 if status != UCS_OK:
+                    flush_ok = False
                     error = error or f"flush failed with status {status}"
         now = time.monotonic()
         if not cancelled and now >= deadline and (pending or flush is not None):
@@ -217,6 +219,6 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
             deadline = now + abandon_s
         elif cancelled and now >= deadline:
             return GetResult(tuple(done), uncertain=True, error=error + "; requests still outstanding")
-    if error:  # a failed flush means no GET can be trusted, whatever its own status said
-        done = [d and "flush" not in error for d in done]
+    if not flush_ok:  # a failed flush means no GET can be trusted, whatever its own status said
+        done = [False] * len(done)
     return GetResult(tuple(done), error=error)

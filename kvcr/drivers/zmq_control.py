@@ -34,7 +34,12 @@ OFFSET_PRESENT = -1    # Reserved.offsets: the page is stored already
 OFFSET_IN_FLIGHT = -2  # Reserved.offsets: another writer is storing it (it may still fail)
 
 
-SLOW = (m.Pull, m.Persist, m.SendPages)
+SLOW = (m.Pull, m.Persist)
+
+
+def _owner(ident: bytes) -> str:
+    """Claims belong to the connection (its ROUTER identity), not to anything the peer says."""
+    return ident.hex()
 
 
 def _check_lease(lease_s: float) -> None:
@@ -64,6 +69,8 @@ class ControlServer:
         # Requests that wait on other peers or the disk run here, so this socket keeps answering
         # (two runners pulling from each other must not wait on each other's control thread).
         self._slow = ThreadPoolExecutor(4, thread_name_prefix="kvcr-control-slow")
+        # Serving a peer never waits behind our own pulls (two runners pulling from each other).
+        self._serving = ThreadPoolExecutor(4, thread_name_prefix="kvcr-control-serve")
         self._done: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
@@ -101,6 +108,7 @@ class ControlServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._slow.shutdown(wait=True, cancel_futures=True)
+        self._serving.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
         self._thread.join(timeout)
         if self._auth is not None:
@@ -149,17 +157,21 @@ class ControlServer:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
-            if type(msg) in SLOW or (isinstance(msg, m.ClaimRequest) and msg.digests):
+            if type(msg) in SLOW:
                 self._slow.submit(self._answer_later, ident, request_id, handler, msg)
                 return
-            reply = handler(msg, msg.incarnation or ident.hex())
+            if isinstance(msg, m.SendPages) or (isinstance(msg, m.ClaimRequest)
+                                                and (msg.digests or msg.pool in self.runner.disks)):
+                self._serving.submit(self._answer_later, ident, request_id, handler, msg)  # copies or disk reads
+                return
+            reply = handler(msg, _owner(ident))
         except Exception as exc:
             reply = self._error_reply(exc)
         sock.send_multipart(self._frames(ident, request_id, reply))
 
     def _answer_later(self, ident: bytes, request_id: int, handler, msg: m.Message) -> None:
         try:
-            reply = handler(msg, msg.incarnation or ident.hex())
+            reply = handler(msg, _owner(ident))
         except Exception as exc:
             reply = self._error_reply(exc)
         self._done.put(self._frames(ident, request_id, reply))
@@ -246,12 +258,20 @@ class ControlServer:
         self._check_namespace(msg.pool, msg.namespace)
         claim = self.runner.claim(msg.pool, [self._key(msg.pool, k) for k in msg.keys], owner=owner,
                                   lease_s=msg.lease_s or None)
-        digests = [xxhash.xxh3_64_intdigest(self.runner.slot_view(msg.pool, p)) for p in claim.pages] \
-            if msg.digests else []  # the pages are pinned: their bytes cannot change meanwhile
-        return m.Granted(claim_id=claim.claim_id, offsets=[self.runner.offset(msg.pool, p.slot) for p in claim.pages],
-                         generations=[p.generation for p in claim.pages], lease_s=claim.lease_s,
-                         announces=[p.announce.to_wire() if p.announce else None for p in claim.pages],
-                         digests=digests)
+        try:
+            offsets = [self.runner.offset(msg.pool, p.slot) for p in claim.pages]
+            plane, size = self.runner.plane, self.runner.layouts[msg.pool].page_bytes
+            if plane is not None and not all(plane.registered(o, size) for o in offsets):
+                raise m.ProtocolError("these pages are not registered for peers yet; retry shortly", code="Busy")
+            digests = [xxhash.xxh3_64_intdigest(self.runner.slot_view(msg.pool, p)) for p in claim.pages] \
+                if msg.digests else []  # the pages are pinned: their bytes cannot change meanwhile
+            return m.Granted(claim_id=claim.claim_id, offsets=offsets, generations=[p.generation for p in claim.pages],
+                             lease_s=claim.lease_s, digests=digests,
+                             announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])
+        except BaseException:
+            if claim.pages:  # no reply, no claim
+                self.runner.release(claim.claim_id, owner=owner)
+            raise
 
     def _check_namespace(self, pool: str, theirs: dict) -> None:
         """Same page hash, other namespace = other bytes: refuse, naming both values."""
@@ -276,15 +296,19 @@ class ControlServer:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
         if not all(isinstance(op, list) and len(op) == 3 and all(isinstance(x, int) for x in op) for op in msg.ops):
             raise m.ProtocolError("send_pages.ops must be [[offset, nbytes, tag], ...]")
-        if not self.runner.claimed_ranges(msg.claim_id, owner, [(o, n) for o, n, _ in msg.ops]):
-            raise m.ProtocolError(f"send_pages asks for bytes outside claim {msg.claim_id}", code="claim")
         try:
             address = bytes.fromhex(msg.address)
         except ValueError:
             raise m.ProtocolError("send_pages.address is not a hex UCX worker address") from None
+        # Our own pin on the claim's pages: its lease may end while the sends run, the pin may not.
+        pinned = self.runner.pin_claimed(msg.claim_id, owner, [(o, n) for o, n, _ in msg.ops])
+        if pinned is None:
+            raise m.ProtocolError(f"send_pages asks for bytes outside claim {msg.claim_id}", code="claim")
         base = self.runner.region_address
         done = plane.send_tagged(address, [(base + o, n, tag) for o, n, tag in msg.ops],
                                  timeout_s=self.runner.cfg.runner.pull_timeout_s)
+        if all(done):  # a send still running may read these slots: then they stay pinned for good
+            self.runner.unpin(*pinned)
         return m.Sent(done=done)
 
     def _on_post_hint(self, msg: m.PostHint, owner: str) -> m.Message:

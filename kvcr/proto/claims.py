@@ -161,6 +161,14 @@ class ClaimTable:
         del self._fills[fill_id]
         return n
 
+    def quarantine(self, fill_id: int, *, owner: str) -> int:
+        """End a fill whose slots may still be written: see PagePool.quarantine_fill."""
+        fill = self._fills.get(fill_id)
+        if fill is None or fill.owner != owner:
+            raise ClaimError(f"fill {fill_id} is not held by {owner!r} (committed, aborted or expired)")
+        del self._fills[fill_id]
+        return fill.pool.quarantine_fill(fill.pages)
+
     # --- time ------------------------------------------------------------------------------------
 
     def expire(self, now: float, writer_alive: Callable[[int], bool] = lambda pid: False) -> list[int]:

@@ -232,11 +232,12 @@ class Renewed(Message):
 
 @_msg
 class ReleaseRequest(Message):
-    """`drop`: move mode: the puller got every page intact, so the source drops its copies."""
+    """`drop`: move mode: the puller received this many leading pages intact, so the source drops
+    its copies of them (those still live)."""
 
     TYPE = "release"
     claim_id: int = 0
-    drop: bool = False
+    drop: int = 0
 
 
 @_msg

@@ -70,6 +70,7 @@ class PoolStats:
     num_discarding: int
     num_claimed: int
     page_bytes: int
+    num_quarantined: int = 0
 
 
 class PagePool:
@@ -90,6 +91,7 @@ class PagePool:
         self._generation = [0] * num_slots
         self._pages: dict[str, Page] = {}
         self._discarding: dict[int, Page] = {}
+        self._quarantined: list[int] = []  # slots a cancelled transfer may still write: never reused
         self._lru: OrderedDict[str, None] = OrderedDict()  # READY and unclaimed, oldest first
         self._by_event_hash: dict[int, str] = {}
         self._events: list[Event] = []
@@ -129,7 +131,7 @@ class PagePool:
 
     def statistics(self) -> PoolStats:
         return PoolStats(self.name, self.capacity, len(self._free), self.num_filling, self.num_ready,
-                         len(self._discarding), self.num_claimed, self.page_bytes)
+                         len(self._discarding), self.num_claimed, self.page_bytes, len(self._quarantined))
 
     # --- filling ---------------------------------------------------------------------------
 
@@ -162,6 +164,21 @@ class PagePool:
             made[key] = self._pages[key] = Page(key, slot, self._generation[slot], announce)
         self.num_filling += len(new)
         return [made.pop(k, None) for k in keys]
+
+    def quarantine_fill(self, pages: Sequence[Page | InFlight | None]) -> int:
+        """Give up FILLING pages whose slots may still be written by a transfer we could not stop:
+        their keys become free again, their slots are never handed out again."""
+        n = 0
+        for page in pages:
+            if not isinstance(page, Page):
+                continue
+            assert page.state is State.FILLING, f"quarantine of page {page.key} in state {page.state}"
+            self.num_filling -= 1
+            if self._pages.get(page.key) is page:
+                del self._pages[page.key]
+            self._quarantined.append(page.slot)
+            n += 1
+        return n
 
     def _check_announces(self, announces: Sequence[Announce | None]) -> None:
         for a in announces:
@@ -223,6 +240,12 @@ class PagePool:
             page.num_claims += 1
             pinned.append(page)
         return pinned
+
+    def pin_pages(self, pages: Iterable[Page]) -> None:
+        """One more pin on pages that are pinned already (whatever their state since)."""
+        for page in pages:
+            assert page.num_claims > 0, f"pin_pages on unpinned page {page.key}"
+            page.num_claims += 1
 
     def unpin(self, pages: Iterable[Page]) -> None:
         released = []
