@@ -227,3 +227,11 @@ def test_the_free_space_floor_refuses_writes_that_would_cross_it(tmp_path):
     hexes, ann, data = chain(1)
     assert t.tier.write(hexes, [memoryview(d) for d in data], ann) == [False]
     assert t.tier.errors["ENOSPC"] == 1 and t.index.statistics().num_pages == 0
+
+
+def test_a_failed_write_of_any_kind_leaves_the_key_writable(tmp_path):
+    t = Tier(tmp_path)
+    hexes, ann, data = chain(1)
+    assert t.tier.write(hexes, [memoryview(b"short")], ann) == [False]  # refused, not left "being written"
+    assert t.tier.write(hexes, [memoryview(data[0])], ann) == [True]
+    assert t.read(hexes) == data

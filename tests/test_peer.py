@@ -313,3 +313,11 @@ def test_the_tagged_fallback_sends_nothing_outside_the_claim(runner_factory, pul
         conf.source.client.request(m.SendPages(claim_id=conf.claim_id, address=puller.plane.pull_address.hex(),
                                                ops=[[conf.offsets[1] + PAGE * 8, PAGE, 1]]))
     puller.release(conf)
+
+
+def test_a_source_whose_pages_are_another_size_is_refused(runner_factory, puller):
+    a, ai = source(runner_factory)
+    keys, _, _ = store(ai, 2, seed=17)
+    puller.page_bytes = {"kv": PAGE * 2}  # we would overrun our buffers with its pages
+    assert puller.confirm(ai["endpoints"]["control"], "kv", keys) is None
+    no_claims_left(ai)

@@ -251,3 +251,17 @@ def test_salted_chain_is_announced_with_salt_and_salted_hashes():
     (event,) = pool.take_events()
     assert event.cache_salt == "tenant"
     assert event.block_hashes != tuple(a.event_hash for a in chain(2)[1])
+
+
+def test_quarantined_slots_are_never_reused_but_their_keys_are_free_again():
+    pool = make_pool(slots=2)
+    keys, ann = chain(2)
+    pages = pool.begin_fill(keys[:1], ann[:1])
+    assert pool.quarantine_fill(pages) == 1
+    stats = pool.statistics()
+    assert stats.num_quarantined == 1 and stats.num_free == 1 and stats.num_filling == 0
+    store(pool, keys[:1], ann[:1])  # the key can be stored again, in another slot
+    assert pool.leading_ready(keys) == 1
+    ClaimTable(max_claim_fraction=1.0).claim(pool, keys[:1], owner="o", lease_s=5, now=0)
+    with pytest.raises(PoolExhausted):
+        pool.begin_fill(*chain(1, start=99))  # the quarantined slot is gone for good

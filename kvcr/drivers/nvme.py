@@ -9,11 +9,13 @@ module performs them and reports back, under the owner's lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -22,7 +24,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import msgpack
 import xxhash
@@ -34,9 +36,11 @@ from ..proto.keys import Namespace
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.kvcr"
+MANIFEST_LOCK = "manifest.lock"
 FORMAT_FILE = "format.json"
 _RECORD = struct.Struct("<I")
 SCAN_BATCH = 1024
+_PAGE_HEX = re.compile(r"[0-9a-f]{64}")
 VERIFY_MODES = ("first_read", "always", "never")
 
 
@@ -128,14 +132,25 @@ class DiskTier:
 
     # --- manifest ------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _manifest_locked(self) -> Iterator[None]:
+        """This process's lock, then the directory's (other processes append too). The flock is on
+        its own file: the manifest itself is replaced when compacted."""
+        with self._manifest_lock:
+            fd = os.open(self.dir / MANIFEST_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
     def _append_manifest(self, records: Iterable[list]) -> None:
         blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
         if not blob:
             return
-        with self._manifest_lock:
+        with self._manifest_locked():
             fd = os.open(self.dir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # other processes may append to the same directory
                 os.write(fd, blob)
             finally:
                 os.close(fd)
@@ -157,26 +172,26 @@ class DiskTier:
                     out[rec[1]] = (rec[2], rec[3], Announce.from_wire(rec[4]) if rec[4] else None)
                 elif rec[0] == "del":
                     out.pop(rec[1], None)
-            except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+            except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):  # EventError is a ValueError
                 self.errors["manifest_record"] += 1
             pos += 4 + n
         return out
 
     def compact_manifest(self) -> None:
-        with self.lock:
-            entries = self.index.entries()
-        records = [["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
-                   for e in entries if e.digest is not None]
-        blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
-        with self._manifest_lock:
-            fd = os.open(self.dir / MANIFEST, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
-                tmp.write_bytes(blob)
-                os.replace(tmp, self.dir / MANIFEST)
-            finally:
-                os.close(fd)
+        """Rewrite the manifest from the index. Under the manifest lock, so no append is lost; our
+        own writes commit to the index before they append, so the snapshot has them."""
+        with self._manifest_locked():
+            with self.lock:
+                entries = self.index.entries()
+            records = [["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
+                       for e in entries if e.digest is not None]
+            # Records other processes appended since our scan are kept as they are.
+            theirs = {n: v for n, v in self.read_manifest().items() if n not in {e.name for e in entries}}
+            records += [["put", n, size, d, a.to_wire() if a else None] for n, (size, d, a) in theirs.items()]
+            blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
+            tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
+            tmp.write_bytes(blob)
+            os.replace(tmp, self.dir / MANIFEST)
 
     # --- writes ------------------------------------------------------------------------------------
 
@@ -213,6 +228,17 @@ class DiskTier:
 
     def _write_one(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | bool:
         """The published entry (to commit), True if someone else holds the page, False on failure."""
+        try:
+            return self._write_page(name, view, announce)
+        except OSError:
+            raise  # _write_page handled it
+        except Exception:  # never leave the name reserved: it would read as "present" forever
+            log.exception("nvme write of %s failed", name)
+            with self.lock:
+                self.index.abort(name)
+            return False
+
+    def _write_page(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | bool:
         if len(view) != self.page_bytes:
             raise DiskError(f"page {name} is {len(view)} bytes; the tier stores {self.page_bytes}-byte pages")
         with self.lock:
@@ -382,6 +408,9 @@ class DiskTier:
             manifest = self.read_manifest()
             batch: list[DiskEntry] = []
             for name, (size, page_digest, announce) in manifest.items():
+                if not self._is_page_name(name):
+                    self.errors["manifest_record"] += 1
+                    continue
                 entry = self._check_file(name, size, DiskEntry(name, size, page_digest, announce))
                 if entry is not None:
                     batch.append(entry)
@@ -390,7 +419,10 @@ class DiskTier:
             self._adopt_batch(batch)
             with os.scandir(self.dir) as it:
                 for item in it:
-                    entry = self._sweep_entry(item, manifest)
+                    try:
+                        entry = self._sweep_entry(item, manifest)
+                    except FileNotFoundError:  # a writer renamed or removed it meanwhile
+                        continue
                     if entry is not None:
                         batch.append(entry)
                     if len(batch) >= SCAN_BATCH:
@@ -402,6 +434,10 @@ class DiskTier:
             log.error("nvme scan of %s failed: %s", self.dir, exc)
         finally:
             self.scan_done.set()
+
+    def _is_page_name(self, stem: object) -> bool:
+        return (isinstance(stem, str) and stem.endswith(self.suffix) and len(stem) == 64 + len(self.suffix)
+                and _PAGE_HEX.fullmatch(stem[:64]) is not None)
 
     def _check_file(self, name: str, expected: int, entry: DiskEntry) -> DiskEntry | None:
         """The entry if its file is whole; a partial or wrong-sized file is removed and counted."""
@@ -425,8 +461,8 @@ class DiskTier:
                 self.num_stale_temp_removed += 1
             return None
         stem = name[:-4]
-        if not (name.endswith(".bin") and stem.endswith(self.suffix) and len(stem) == 64 + len(self.suffix)):
-            if name not in (MANIFEST, FORMAT_FILE):
+        if not (name.endswith(".bin") and self._is_page_name(stem)):
+            if name not in (MANIFEST, MANIFEST_LOCK, FORMAT_FILE):
                 self.num_foreign += 1
             return None
         if stem in manifest:

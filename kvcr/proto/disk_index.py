@@ -100,8 +100,9 @@ class DiskIndex:
         self._writing.pop(name, None)
 
     def adopt(self, entry: DiskEntry, *, announce: bool = True) -> bool:
-        """A page found on disk (startup scan, or written by another process). False if known."""
-        if entry.name in self._entries:
+        """A page found on disk (startup scan, or written by another process). False if known or
+        being written by us (our commit will add it)."""
+        if entry.name in self._entries or entry.name in self._writing:
             return False
         if entry.digest is None:
             self.num_unverified += 1
@@ -109,6 +110,9 @@ class DiskIndex:
         return True
 
     def _add(self, entry: DiskEntry, *, announce: bool) -> None:
+        old = self._entries.get(entry.name)
+        if old is not None:  # replaced (adopted meanwhile): count its bytes once
+            self.num_bytes -= old.size
         self._entries[entry.name] = entry
         self.num_bytes += entry.size
         if entry.announce is not None:
