@@ -32,7 +32,8 @@ class RunnerCollector:
             hits, misses = runner.hits, runner.misses
         for s in stats:
             for state, n in (("free", s.num_free), ("filling", s.num_filling), ("ready", s.num_ready),
-                             ("discarding", s.num_discarding), ("claimed", s.num_claimed)):
+                             ("discarding", s.num_discarding), ("claimed", s.num_claimed),
+                             ("quarantined", s.num_quarantined)):
                 pages.add_metric([s.name, "dram", state], n)
             nbytes.add_metric([s.name, "dram"], s.num_ready * s.page_bytes)
             capacity.add_metric([s.name, "dram"], s.capacity)
