@@ -1,0 +1,188 @@
+"""Inventory index: which worker (and DP rank) holds which block in which tier. Pure.
+
+Fed decoded event batches (any publisher: engines, our runners); answers, per worker, how deep a
+request's prefix is held on device, then continued through host DRAM, then disk — Dynamo's
+semantics. Blocks are matched by content: like Dynamo's router we recompute a hash from each
+stored block's tokens (XXH3, salted by LoRA name and cache namespace) and chain it with its
+parent's, so engines with different event hash schemes still match the same prompt. The
+engine's own hash is kept per worker as an identity for parent links, removals and hints.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvcr.proto.keys import U64_MASK
+from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
+
+TIERS = ("device", "host", "disk")
+_MEDIUM_TIER = {None: "device", "GPU": "device", "DEVICE": "device",
+                "CPU": "host", "CPU_PINNED": "host", "CPU_TIER1": "host",
+                "CPU_TIER2": "disk", "DISK": "disk", "NVME": "disk", "STORAGE": "disk",
+                "EXTERNAL": "disk", "SHARED": "disk", "REMOTE": "disk", "NETWORK": "disk"}
+
+Worker = tuple[str, int]  # (worker id, DP rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """Leading blocks of a request a worker holds: on device, then host, then disk."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def depth(self) -> int:
+        return self.device + self.host + self.disk
+
+
+@dataclass
+class _Held:
+    external: int                    # the publisher's own hash (u64) for this block
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # tier -> refcount
+
+
+@dataclass
+class _WorkerState:
+    # engine hash (u64) -> our content sequence hash, per tier refcounts are on the sequence entry
+    by_external: dict[int, int] = field(default_factory=dict)
+    held: dict[int, _Held] = field(default_factory=dict)  # sequence hash -> what this worker holds
+
+
+@dataclass
+class InventoryIndex:
+    block_size: int
+    num_events: int = 0
+    num_ignored: int = 0          # events a router must drop (unknown medium, wrong block size ...)
+    num_unknown_parent: int = 0
+    _workers: dict[Worker, _WorkerState] = field(default_factory=dict)
+    # sequence hash -> workers holding it (for match without scanning every worker)
+    _holders: dict[int, set[Worker]] = field(default_factory=lambda: defaultdict(set))
+
+    # --- ingest -----------------------------------------------------------------------------
+
+    def apply(self, worker_id: str, batch: EventBatch, dp_rank: int = 0) -> None:
+        """Apply one decoded batch from (worker_id, dp_rank); a non-nil batch dp_rank wins."""
+        worker = (worker_id, batch.dp_rank if batch.dp_rank is not None else dp_rank)
+        state = self._workers.setdefault(worker, _WorkerState())
+        for event in batch.events:
+            self.num_events += 1
+            if isinstance(event, BlockStored):
+                self._stored(worker, state, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(worker, state, event)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear(worker)
+
+    def _stored(self, worker: Worker, state: _WorkerState, event: BlockStored) -> None:
+        tier = _MEDIUM_TIER.get(event.medium)
+        if tier is None or event.block_size != self.block_size or _router_drops(event):
+            self.num_ignored += 1
+            return
+        parent_seq = None
+        if event.parent_block_hash is not None:
+            parent_seq = state.by_external.get(event.parent_block_hash & U64_MASK)
+            if parent_seq is None:
+                self.num_unknown_parent += 1
+                return
+        local = dynamo_local_block_hashes(event.token_ids[:self.block_size * len(event.block_hashes)],
+                                          self.block_size, lora_name=event.lora_name,
+                                          cache_namespace=event.cache_salt)
+        for external, content in zip(event.block_hashes, local):
+            seq = content if parent_seq is None else dynamo_sequence_hashes([parent_seq, content])[1]
+            external &= U64_MASK
+            state.by_external[external] = seq
+            held = state.held.get(seq)
+            if held is None:
+                held = state.held[seq] = _Held(external)
+                self._holders[seq].add(worker)
+            held.counts[tier] += 1
+            parent_seq = seq
+
+    def _removed(self, worker: Worker, state: _WorkerState, event: BlockRemoved) -> None:
+        tier = _MEDIUM_TIER.get(event.medium)
+        if tier is None:
+            self.num_ignored += 1
+            return
+        for external in event.block_hashes:
+            seq = state.by_external.get(external & U64_MASK)
+            held = state.held.get(seq) if seq is not None else None
+            if held is None or held.counts[tier] <= 0:
+                continue
+            held.counts[tier] -= 1
+            if not any(held.counts.values()):
+                del state.held[seq]
+                del state.by_external[external & U64_MASK]
+                self._holders[seq].discard(worker)
+                if not self._holders[seq]:
+                    del self._holders[seq]
+
+    def clear(self, worker: Worker) -> None:
+        """AllBlocksCleared: every tier of this (worker, DP rank) is empty."""
+        state = self._workers.pop(worker, None)
+        if state is None:
+            return
+        for seq in state.held:
+            self._holders[seq].discard(worker)
+            if not self._holders[seq]:
+                del self._holders[seq]
+
+    def remove_worker(self, worker_id: str) -> None:
+        for worker in [w for w in self._workers if w[0] == worker_id]:
+            self.clear(worker)
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def sequence_hashes(self, tokens: list[int], *, lora_name: str | None = None,
+                        cache_salt: str | None = None) -> list[int]:
+        local = dynamo_local_block_hashes(tokens, self.block_size, lora_name=lora_name, cache_namespace=cache_salt)
+        return dynamo_sequence_hashes(local)
+
+    def overlaps(self, seq_hashes: list[int]) -> dict[Worker, Overlap]:
+        """Per worker holding the first block: its device / host / disk continuation depths."""
+        if not seq_hashes:
+            return {}
+        out = {}
+        for worker in self._holders.get(seq_hashes[0], ()):
+            held = self._workers[worker].held
+            device = host = disk = 0
+            for seq in seq_hashes:
+                h = held.get(seq)
+                if h is None:
+                    break
+                if h.counts["device"] > 0 and host == disk == 0:
+                    device += 1
+                elif (h.counts["device"] > 0 or h.counts["host"] > 0) and disk == 0:
+                    host += 1
+                else:
+                    disk += 1
+            out[worker] = Overlap(device, host, disk)
+        return out
+
+    def external_hashes(self, worker: Worker, seq_hashes: list[int]) -> list[int]:
+        """The worker's own published hashes (u64) for the leading blocks it holds."""
+        held = self._workers.get(worker, _WorkerState()).held
+        out = []
+        for seq in seq_hashes:
+            h = held.get(seq)
+            if h is None:
+                break
+            out.append(h.external)
+        return out
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers)
+
+    def num_blocks(self) -> int:
+        return sum(len(s.held) for s in self._workers.values())
+
+
+def _router_drops(event: BlockStored) -> bool:
+    """Events Dynamo's raw consumer drops: other KV groups, non-attention specs, remote locality."""
+    extra = dict(event.extra)
+    kind = extra.get("kv_cache_spec_kind")
+    return (extra.get("group_idx") not in (None, 0) and kind is None) or \
+        (kind is not None and kind not in ("full_attention", "mla_attention")) or extra.get("locality") == "REMOTE"

@@ -1,0 +1,82 @@
+"""Choosing a worker (Dynamo's default cost model) and a source to pull the rest from. Pure."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from kvcr.proto.hints import build_envelope
+
+from .index import InventoryIndex, Overlap, Worker
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    overlap_score_credit: float = 1.0
+    overlap_score_credit_decay: float = 0.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    prefill_load_scale: float = 1.0
+    decode_active_request_weight: float = 0.0
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load:
+    active_prefill_tokens: int = 0
+    active_prefill_blocks: int = 0
+    potential_decode_blocks: int = 0
+    active_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    worker: Worker
+    cost: float
+    overlap: Overlap
+    costs: dict[Worker, float]
+
+
+def cost(model: CostModel, overlap: Overlap, load: Load, request_blocks: int, block_size: int,
+         min_active_prefill: int) -> float:
+    decay = 1.0 / (1.0 + model.overlap_score_credit_decay * (
+        (load.active_prefill_tokens - min_active_prefill) / block_size) / max(1, request_blocks))
+    credit = (model.overlap_score_credit * decay * overlap.device + model.host_cache_hit_weight * overlap.host
+              + model.disk_cache_hit_weight * overlap.disk)
+    return (model.prefill_load_scale * max(0.0, load.active_prefill_blocks + request_blocks - credit)
+            + load.potential_decode_blocks + model.decode_active_request_weight * load.active_requests)
+
+
+def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Overlap], loads: dict[Worker, Load],
+           request_blocks: int, block_size: int, rng: random.Random | None = None) -> Choice:
+    """The lowest-cost candidate; ties go to the lowest (worker id, DP rank), or softmax sampling
+    over normalised costs when the model has a temperature."""
+    if not candidates:
+        raise ValueError("no candidate workers")
+    min_prefill = min(loads.get(w, Load()).active_prefill_tokens for w in candidates)
+    costs = {w: cost(model, overlaps.get(w, Overlap()), loads.get(w, Load()), request_blocks, block_size,
+                     min_prefill) for w in candidates}
+    if model.temperature > 0:
+        lo, hi = min(costs.values()), max(costs.values())
+        span = (hi - lo) or 1.0
+        weights = [math.exp(-((costs[w] - lo) / span) / model.temperature) for w in candidates]
+        pick = (rng or random.Random()).choices(candidates, weights)[0]
+    else:
+        pick = min(candidates, key=lambda w: (costs[w], w))
+    return Choice(pick, costs[pick], overlaps.get(pick, Overlap()), costs)
+
+
+def choose_source(index: InventoryIndex, target: Worker, seq_hashes: list[int], overlaps: dict[Worker, Overlap],
+                  endpoints: dict[Worker, str], roles: dict[Worker, str] | None = None) -> dict | None:
+    """A `kv_hint` envelope naming the peer with the strictly longest prefix (same role, with a
+    control endpoint), ties to the lower id; None when no peer beats the target."""
+    roles = roles or {}
+    mine = overlaps.get(target, Overlap()).depth
+    peers = [(w, o.depth) for w, o in overlaps.items()
+             if w != target and o.depth > mine and endpoints.get(w) and roles.get(w) == roles.get(target)]
+    if not peers:
+        return None
+    source, depth = min(peers, key=lambda p: (-p[1], p[0]))
+    hashes = index.external_hashes(source, seq_hashes[:depth])
+    return build_envelope(endpoints[source], hashes) if hashes else None

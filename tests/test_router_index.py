@@ -1,0 +1,149 @@
+"""The router's inventory index and cost model, against Dynamo's own indexer on the same events."""
+
+import random
+import time
+
+import pytest
+
+from kvcr.drivers.zmq_events import EventPublisher, SeqSource
+from kvcr.proto.announce import announce_request
+from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvcr.proto.hints import parse_envelope
+from kvcr.proto.keys import to_u64
+from router_hints.index import InventoryIndex, Overlap
+from router_hints.scoring import CostModel, Load, choose, choose_source, cost
+from tests.conftest import wait_until
+
+BLOCK = 16
+
+
+def stored(tokens, first, n, medium, lora=None, salt=None):
+    ann = announce_request(tokens, BLOCK, cache_salt=salt, lora_name=lora)[first:first + n]
+    return BlockStored(block_hashes=tuple(a.event_hash for a in ann), parent_block_hash=ann[0].parent_hash,
+                       token_ids=tuple(t for a in ann for t in a.token_ids), block_size=BLOCK, medium=medium,
+                       lora_name=lora, cache_salt=salt), ann
+
+
+def batch(*events, dp_rank=0):
+    return EventBatch(ts=0.0, events=events, dp_rank=dp_rank)
+
+
+def tokens_for(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(50000) for _ in range(n * BLOCK)]
+
+
+def test_tier_continuation_matches_dynamo_semantics():
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(1, 5)
+    for first, n, medium in ((0, 2, "GPU"), (2, 1, "CPU_PINNED"), (3, 1, "DISK"), (4, 1, "EXTERNAL")):
+        index.apply("w1", batch(stored(t, first, n, medium)[0]))
+    o = index.overlaps(index.sequence_hashes(t))[("w1", 0)]
+    assert (o.device, o.host, o.disk) == (2, 1, 2)  # Dynamo: gpu 32, cpu 48, disk 80 tokens
+
+
+def test_removals_are_reference_counted_and_a_clear_wipes_every_tier():
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(2, 2)
+    event, ann = stored(t, 0, 2, "CPU_PINNED")
+    index.apply("w1", batch(event, event))
+    seq = index.sequence_hashes(t)
+    index.apply("w1", batch(BlockRemoved(block_hashes=(ann[1].event_hash,), medium="CPU_PINNED")))
+    assert index.overlaps(seq)[("w1", 0)].depth == 2  # stored twice, removed once
+    index.apply("w1", batch(BlockRemoved(block_hashes=(ann[1].event_hash,), medium="CPU_PINNED")))
+    assert index.overlaps(seq)[("w1", 0)].depth == 1
+    index.apply("w1", batch(stored(t, 0, 1, "GPU")[0], AllBlocksCleared()))
+    assert index.overlaps(seq) == {} and index.num_blocks() == 0
+
+
+@pytest.mark.parametrize("bad", [
+    {"block_size": 32}, {"extra": (("locality", "REMOTE"),)},
+    {"extra": (("kv_cache_spec_kind", "sliding_window"),)}, {"extra": (("group_idx", 1),)}])
+def test_events_dynamo_would_drop_are_ignored(bad):
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(3, 2)
+    base = stored(t, 0, 2, "GPU")[0]
+    fields = {f: getattr(base, f) for f in ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                            "medium", "lora_name", "cache_salt", "extra")}
+    if "block_size" in bad:
+        fields["token_ids"] = fields["token_ids"] * 2
+    index.apply("w1", batch(BlockStored(**{**fields, **bad})))
+    assert index.num_blocks() == 0 and index.num_ignored == 1
+
+
+def test_salted_and_lora_blocks_match_only_requests_with_the_same_namespace():
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(4, 2)
+    index.apply("w1", batch(stored(t, 0, 2, "GPU", salt="tenant-a")[0]))
+    assert index.overlaps(index.sequence_hashes(t)) == {}
+    assert index.overlaps(index.sequence_hashes(t, cache_salt="tenant-a"))[("w1", 0)].device == 2
+
+
+def test_cost_model_picks_the_cheapest_and_breaks_ties_by_id():
+    model = CostModel()
+    overlaps = {("a", 0): Overlap(device=4), ("b", 0): Overlap(host=8), ("c", 0): Overlap()}
+    assert cost(model, overlaps[("b", 0)], Load(), 10, BLOCK, 0) == pytest.approx(4.0)
+    choice = choose(model, list(overlaps), overlaps, {("a", 0): Load(active_prefill_blocks=1)}, 10, BLOCK)
+    assert choice.worker == ("b", 0) and choice.costs[("a", 0)] == pytest.approx(7.0)
+    assert choose(model, [("z", 0), ("y", 0)], {}, {}, 4, BLOCK).worker == ("y", 0)
+
+
+def test_the_source_is_the_peer_with_the_strictly_longest_prefix_and_the_hint_parses():
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(5, 4)
+    ev_a, ann = stored(t, 0, 4, "CPU_PINNED")
+    index.apply("a", batch(ev_a))
+    index.apply("b", batch(stored(t, 0, 1, "GPU")[0]))
+    seq = index.sequence_hashes(t)
+    overlaps = index.overlaps(seq)
+    envelope = choose_source(index, ("b", 0), seq, overlaps, {("a", 0): "tcp://a:1", ("b", 0): "tcp://b:1"})
+    hint = parse_envelope(envelope)
+    assert hint.source_control_endpoint == "tcp://a:1"
+    assert hint.block_hashes == tuple(to_u64(a.event_hash) for a in ann)  # the source engine's own hashes
+    assert choose_source(index, ("a", 0), seq, overlaps, {("b", 0): "tcp://b:1"}) is None
+
+
+@pytest.mark.dynamo
+def test_overlaps_equal_what_dynamos_indexer_reports_for_the_same_events(indexer):
+    """Random stores and removals over three tiers, published for real to Dynamo's indexer and fed to ours."""
+    import zmq
+
+    from tests.dynamo import Registration
+
+    ctx = zmq.Context()
+    pub = EventPublisher(ctx, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
+                         seq=SeqSource(now_us=0), heartbeat_s=0)
+    pub.start()
+    try:
+        reg = Registration(indexer, {"endpoints": {"events": pub.bound_endpoint, "replay": pub.bound_replay_endpoint},
+                                     "dp_rank": 0})
+        reg.register(reg.info)
+        time.sleep(2.0)
+        index = InventoryIndex(block_size=BLOCK)
+        rng = random.Random(7)
+        prompts = [tokens_for(100 + i, 6) for i in range(4)]
+        depth = {}  # (prompt, medium) -> blocks stored there, like an engine extends and evicts a chain
+        for _ in range(60):
+            p, medium = rng.randrange(len(prompts)), rng.choice(["GPU", "CPU_PINNED", "DISK"])
+            d = depth.get((p, medium), 0)
+            if d and rng.random() < 0.3:  # evict the chain's tail
+                ann = announce_request(prompts[p], BLOCK)[d - 1]
+                event = BlockRemoved(block_hashes=(ann.event_hash,), medium=medium)
+                depth[(p, medium)] = d - 1
+            elif d < 6:
+                n = rng.randint(1, 6 - d)
+                event = stored(prompts[p], d, n, medium)[0]
+                depth[(p, medium)] = d + n
+            else:
+                continue
+            pub.publish([event])
+            index.apply("7", batch(event))
+        for t in prompts:
+            ours = index.overlaps(index.sequence_hashes(t)).get(("7", 0), Overlap())
+            want = {"gpu": ours.device * BLOCK, "cpu": (ours.device + ours.host) * BLOCK,
+                    "disk": ours.depth * BLOCK}
+            wait_until(lambda: {k: reg.query(t).get(k, 0) for k in want} == want, 15, 0.2,
+                       f"Dynamo's view {reg.query(t)} equals ours ({want})")
+    finally:
+        pub.stop()
+        ctx.term()
