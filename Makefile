@@ -40,11 +40,12 @@ demo: setup
 test: setup sglang-setup dynamo-setup
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-bench: sglang-setup
+bench: sglang-setup dynamo-setup
 	$(VENV)/bin/python bench/dram_pool.py
 	$(VENV)/bin/python bench/nvme.py
 	$(VENV)/bin/python bench/peer_pull.py
 	$(VENV)/bin/python bench/vs_nvidia_kvcr.py
+	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/router_index.py
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info

@@ -59,8 +59,11 @@ class InventoryIndex:
     num_ignored: int = 0          # events a router must drop (unknown medium, wrong block size ...)
     num_unknown_parent: int = 0
     _workers: dict[Worker, _WorkerState] = field(default_factory=dict)
-    # sequence hash -> workers holding it (for match without scanning every worker)
-    _holders: dict[int, set[Worker]] = field(default_factory=lambda: defaultdict(set))
+    # Matching walks a request once per tier class with one integer AND per block: every worker
+    # gets a bit, and each block a mask of the workers holding it on device / device or host / anywhere.
+    _bits: dict[Worker, int] = field(default_factory=dict)
+    _masks: tuple[dict[int, int], dict[int, int], dict[int, int]] = field(
+        default_factory=lambda: ({}, {}, {}))
 
     # --- ingest -----------------------------------------------------------------------------
 
@@ -98,8 +101,8 @@ class InventoryIndex:
             held = state.held.get(seq)
             if held is None:
                 held = state.held[seq] = _Held(external)
-                self._holders[seq].add(worker)
             held.counts[tier] += 1
+            self._set_bits(worker, seq, held)
             parent_seq = seq
 
     def _removed(self, worker: Worker, state: _WorkerState, event: BlockRemoved) -> None:
@@ -113,22 +116,30 @@ class InventoryIndex:
             if held is None or held.counts[tier] <= 0:
                 continue
             held.counts[tier] -= 1
+            self._set_bits(worker, seq, held)
             if not any(held.counts.values()):
                 del state.held[seq]
                 del state.by_external[external & U64_MASK]
-                self._holders[seq].discard(worker)
-                if not self._holders[seq]:
-                    del self._holders[seq]
 
     def clear(self, worker: Worker) -> None:
         """AllBlocksCleared: every tier of this (worker, DP rank) is empty."""
         state = self._workers.pop(worker, None)
         if state is None:
             return
+        empty = _Held(0)
         for seq in state.held:
-            self._holders[seq].discard(worker)
-            if not self._holders[seq]:
-                del self._holders[seq]
+            self._set_bits(worker, seq, empty)
+
+    def _set_bits(self, worker: Worker, seq: int, held: _Held) -> None:
+        bit = self._bits.setdefault(worker, 1 << len(self._bits))
+        device, host, disk = (held.counts.get(t, 0) > 0 for t in TIERS)
+        for masks, present in zip(self._masks, (device, device or host, device or host or disk)):
+            mask = masks.get(seq, 0)
+            mask = mask | bit if present else mask & ~bit
+            if mask:
+                masks[seq] = mask
+            else:
+                masks.pop(seq, None)
 
     def remove_worker(self, worker_id: str) -> None:
         for worker in [w for w in self._workers if w[0] == worker_id]:
@@ -145,22 +156,10 @@ class InventoryIndex:
         """Per worker holding the first block: its device / host / disk continuation depths."""
         if not seq_hashes:
             return {}
-        out = {}
-        for worker in self._holders.get(seq_hashes[0], ()):
-            held = self._workers[worker].held
-            device = host = disk = 0
-            for seq in seq_hashes:
-                h = held.get(seq)
-                if h is None:
-                    break
-                if h.counts["device"] > 0 and host == disk == 0:
-                    device += 1
-                elif (h.counts["device"] > 0 or h.counts["host"] > 0) and disk == 0:
-                    host += 1
-                else:
-                    disk += 1
-            out[worker] = Overlap(device, host, disk)
-        return out
+        dev, dh, anywhere = (_depths(masks, seq_hashes) for masks in self._masks)
+        by_bit = {bit: worker for worker, bit in self._bits.items()}
+        return {by_bit[bit]: Overlap(dev.get(bit, 0), dh.get(bit, 0) - dev.get(bit, 0), depth - dh.get(bit, 0))
+                for bit, depth in anywhere.items()}
 
     def external_hashes(self, worker: Worker, seq_hashes: list[int]) -> list[int]:
         """The worker's own published hashes (u64) for the leading blocks it holds."""
@@ -178,6 +177,29 @@ class InventoryIndex:
 
     def num_blocks(self) -> int:
         return sum(len(s.held) for s in self._workers.values())
+
+
+def _depths(masks: dict[int, int], seq_hashes: list[int]) -> dict[int, int]:
+    """Bit -> how many leading blocks of the request that worker holds (in this tier class)."""
+    active = masks.get(seq_hashes[0], 0)
+    out: dict[int, int] = {}
+    i = 0
+    for i, seq in enumerate(seq_hashes):
+        still = active & masks.get(seq, 0)
+        if still != active:
+            gone = active & ~still
+            while gone:
+                low = gone & -gone
+                out[low] = i
+                gone ^= low
+            active = still
+            if not active:
+                return out
+    while active:
+        low = active & -active
+        out[low] = len(seq_hashes)
+        active ^= low
+    return out
 
 
 def _router_drops(event: BlockStored) -> bool:
