@@ -1,0 +1,70 @@
+"""A router's decision loop: follow the publishers, keep the index, pick a target and a source.
+
+`RouterCore` is what an HTTP front (the reference router) or another router embeds: it owns a
+Subscriber and an InventoryIndex, and answers `route(tokens)` with the target worker and the
+`kv_hint` envelope to attach (or post to the target's runner).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from .discovery import Publisher
+from .index import InventoryIndex, Worker
+from .scoring import Choice, CostModel, Load, choose, choose_source
+from .subscriber import Delivery, Subscriber
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    choice: Choice
+    hint: dict | None  # kv_hint envelope naming a peer with a longer prefix, if any
+    request_blocks: int
+
+
+@dataclass
+class RouterCore:
+    block_size: int
+    model: CostModel = field(default_factory=CostModel)
+    rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        self.index = InventoryIndex(block_size=self.block_size)
+        self.subscriber = Subscriber(on_unrepaired=self._lost)
+        self.publishers: dict[Worker, Publisher] = {}
+        self.loads: dict[Worker, Load] = {}
+
+    def add(self, publisher: Publisher) -> None:
+        worker = (publisher.worker_id, publisher.dp_rank)
+        self.publishers[worker] = publisher
+        self.subscriber.add(f"{publisher.worker_id}:{publisher.dp_rank}", publisher.events, publisher.replay)
+
+    def _lost(self, name: str) -> None:
+        # Replay could not repair a gap: forget the worker rather than trust a stale view; a kvcr
+        # runner's next batch (or heartbeat) brings its clear and re-announcement.
+        worker_id, dp = name.rsplit(":", 1)
+        self.index.clear((worker_id, int(dp)))
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Apply whatever arrived; returns the batches applied."""
+        n = 0
+        for item in self.subscriber.poll(timeout_ms):
+            if isinstance(item, Delivery):
+                worker_id, dp = item.publisher.rsplit(":", 1)
+                self.index.apply(worker_id, item.batch, int(dp))
+                n += 1
+        return n
+
+    def route(self, tokens: list[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> Route:
+        seq = self.index.sequence_hashes(tokens, lora_name=lora_name, cache_salt=cache_salt)
+        overlaps = self.index.overlaps(seq)
+        candidates = sorted(self.publishers)
+        choice = choose(self.model, candidates, overlaps, self.loads, max(1, len(seq)), self.block_size, self.rng)
+        endpoints = {w: p.control for w, p in self.publishers.items() if p.control}
+        roles = {w: p.role for w, p in self.publishers.items()}
+        hint = choose_source(self.index, choice.worker, seq, overlaps, endpoints, roles)
+        return Route(choice, hint, len(seq))
+
+    def close(self) -> None:
+        self.subscriber.close()
