@@ -46,6 +46,7 @@ bench: sglang-setup dynamo-setup
 	$(VENV)/bin/python bench/peer_pull.py
 	$(VENV)/bin/python bench/vs_nvidia_kvcr.py
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/router_index.py
+	$(VENV)/bin/python bench/router_overhead.py
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info

@@ -181,11 +181,11 @@ class InventoryIndex:
 
 def _depths(masks: dict[int, int], seq_hashes: list[int]) -> dict[int, int]:
     """Bit -> how many leading blocks of the request that worker holds (in this tier class)."""
-    active = masks.get(seq_hashes[0], 0)
+    get = masks.get
+    active = get(seq_hashes[0], 0)
     out: dict[int, int] = {}
-    i = 0
     for i, seq in enumerate(seq_hashes):
-        still = active & masks.get(seq, 0)
+        still = active & get(seq, 0)
         if still != active:
             gone = active & ~still
             while gone:

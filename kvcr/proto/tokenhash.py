@@ -30,20 +30,23 @@ def dynamo_local_block_hashes(tokens: Sequence[int], block_size: int, *, lora_na
     """Dynamo router's per-block content hash (complete blocks only)."""
     seed = dynamo_seed(lora_name, cache_namespace)
     window = block_size + 1 if eagle else block_size
-    out = []
-    for start in range(0, len(tokens) - window + 1, block_size):
-        out.append(xxhash.xxh3_64_intdigest(array("I", tokens[start:start + window]).tobytes(), seed=seed))
-    return out
+    raw = memoryview(array("I", tokens)).cast("B")  # one conversion; blocks are zero-copy slices
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(raw[start * 4:(start + window) * 4], seed=seed)
+            for start in range(0, len(tokens) - window + 1, block_size)]
 
 
 def dynamo_sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     out: list[int] = []
+    digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
+    prev = None
     for h in local_hashes:
-        if not out:
-            out.append(h)
-        else:
-            out.append(xxhash.xxh3_64_intdigest(struct.pack("<QQ", out[-1], h), seed=DYNAMO_SEED))
+        prev = h if prev is None else digest(pack(prev, h), seed=DYNAMO_SEED)
+        out.append(prev)
     return out
+
+
+_PAIR = struct.Struct("<QQ")
 
 
 def _cbor_head(major: int, value: int) -> bytes:
