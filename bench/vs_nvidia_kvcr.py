@@ -48,7 +48,7 @@ def run_reference(python: str, pages: int, page_bytes: int, iterations: int) -> 
     return statistics.median(json.loads(line)["seconds"])
 
 
-def run_ours(pages: int, page_bytes: int, iterations: int) -> float:
+def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get") -> float:
     code = f"""
 import json, statistics, sys
 sys.path.insert(0, {str(ROOT)!r})
@@ -71,7 +71,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 time.sleep(0.05)
             w = AttachedWriter(client); w.put("kv", keys, payload); w.close()
         plane = UcxPlane(progress_thread=False)
-        puller = Puller(plane, timeout_s=30, abandon_s=5)
+        puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r})
         dest = ctypes.create_string_buffer(pages * page_bytes)
         dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]
         times = []
@@ -103,27 +103,33 @@ def main() -> int:
     python = reference_python()
     rows = []
     for pages, page_bytes in ((32, 1 << 20), (16, 64 << 10)):
-        theirs, ours = [], []
+        theirs, ours, same_host = [], [], []
         for i in range(max(5, args.repeats)):
             theirs.append(run_reference(python, pages, page_bytes, 10))
             ours.append(run_ours(pages, page_bytes, 10))
+            same_host.append(run_ours(pages, page_bytes, 10, "shm"))
             print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}", end="", flush=True)
         print()
         total = pages * page_bytes
         t_gbps = [total / t / 1e9 for t in theirs]
         o_gbps = [total / t / 1e9 for t in ours]
+        s_gbps = [total / t / 1e9 for t in same_host]
         rows.append(f"| {pages} × {page_bytes >> 10} KiB | {Spread.of([t * 1e3 for t in theirs]).fmt()} ms "
                     f"({Spread.of(t_gbps).fmt()} GB/s) | {Spread.of([t * 1e3 for t in ours]).fmt()} ms "
                     f"({Spread.of(o_gbps).fmt()} GB/s) | "
-                    f"{Spread.of([o / t for o, t in zip(o_gbps, t_gbps)]).fmt(1, 1)}x |")
+                    f"{Spread.of([o / t for o, t in zip(o_gbps, t_gbps)]).fmt(1, 1)}x | "
+                    f"{Spread.of([x * 1e3 for x in same_host]).fmt()} ms ({Spread.of(s_gbps).fmt()} GB/s) | "
+                    f"{Spread.of([o / t for o, t in zip(s_gbps, t_gbps)]).fmt(1, 1)}x |")
         print(rows[-1])
     intro = (f"`python bench/vs_nvidia_kvcr.py --repeats {max(5, args.repeats)}` on {machine_line()}. NVIDIA "
              "kvcr 0.1.1 with NIXL 1.5.0 over UCX (its defaults), two instances in one process, hinted remote "
              "`deliver` (hint + deliver + completion). kvcr: `Puller.pull` (claim, GETs, release) from a source "
-             "runner in another process over shared memory. Each repeat runs both; each run is the median of 10 "
+             "runner in another process over shared memory (UCX GETs, and `transfer = \"shm\"`: a copy from the "
+             "source's pool mapped read-only, same host only). Each repeat runs all; each run is the median of 10 "
              "transfers after a warm-up, bytes checked every time. Median (min–max) over repeats.")
     publish("vs_nvidia_kvcr", "Against NVIDIA kvcr 0.1.1", intro,
-            [table(["transfer", "NVIDIA kvcr 0.1.1", "kvcr", "kvcr / NVIDIA"], rows)], write=not args.no_write)
+            [table(["transfer", "NVIDIA kvcr 0.1.1", "kvcr (UCX GET)", "kvcr / NVIDIA",
+                    "kvcr (same-host copy)", "same-host / NVIDIA"], rows)], write=not args.no_write)
     return 0
 
 

@@ -168,7 +168,7 @@ class RunnerConfig:
     pull_abandon_s: float = 5.0
     peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
     verify_transfer_bytes: bool = False  # check an xxh3 digest of every pulled page
-    transfer: str = "get"          # "get" (one-sided RMA) or "tag" (two-sided fallback)
+    transfer: str = "get"          # "get" (UCX RMA), "tag" (two-sided fallback), "shm" or "auto" (same host)
     pull_lanes: int = 1            # GET workers/threads a large pull is split over
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
@@ -240,7 +240,8 @@ def _validate(cfg: Config) -> None:
                        *((f"runner.curve_allowed_clients[{i}]", k) for i, k in enumerate(r.curve_allowed_clients))):
         _require(not value or len(value) == 40, f"{key} must be a 40-character Z85 CURVE key")
     _require(1 <= r.pull_lanes <= 16, f"runner.pull_lanes = {r.pull_lanes} must be in 1..16")
-    _require(r.transfer in ("get", "tag"), f"runner.transfer = {r.transfer!r} must be 'get' or 'tag'")
+    _require(r.transfer in ("get", "tag", "shm", "auto"),
+             f"runner.transfer = {r.transfer!r} must be one of get, tag, shm, auto")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,
              f"runner.pull_timeout_s = {r.pull_timeout_s} / runner.pull_abandon_s = {r.pull_abandon_s} must be > 0")

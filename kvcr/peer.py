@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import random
 import threading
 import time
@@ -21,6 +22,7 @@ import zmq
 
 from .client import ControlClient, ControlError
 from .config import CurveKeys
+from .drivers.shm import Region, host_id
 from .drivers.ucx_rma import GetResult
 from .proto import messages as m
 from .proto.announce import Announce
@@ -47,7 +49,10 @@ class PeerSource:
     chunks: list[tuple[int, int]]
     page_bytes: dict[str, int]
     can_move: bool
+    shm_path: str = ""
+    host_id: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time on its socket
+    region: Region | None = None  # its pool, mapped read-only, for same-host copies
 
 
 @dataclass
@@ -91,7 +96,9 @@ class Puller:
     curve: CurveKeys | None = None
     verify_transfer_bytes: bool = False  # per-page digest from the source, checked after the GETs
     page_bytes: dict[str, int] = field(default_factory=dict)  # our page size per pool: a source must match
-    transport: str = "get"  # "get": one-sided RMA; "tag": the source sends into receives we posted
+    # "get": one-sided UCX RMA; "tag": the source sends into receives we posted; "shm": copy from the
+    # source's pool mapped read-only (same host only); "auto": "shm" on the same host, else "get".
+    transport: str = "get"
     num_digest_mismatches: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -125,14 +132,17 @@ class Puller:
         return PeerSource(endpoint, client, info["incarnation"], bytes.fromhex(ucx["address"]), ucx["region_base"],
                           {off: bytes.fromhex(k) for off, _, k in ucx["rkeys"]},
                           [(off, length) for off, length, _ in ucx["rkeys"]],
-                          {p["name"]: p["page_bytes"] for p in info["pools"]}, "move" in info["capabilities"])
+                          {p["name"]: p["page_bytes"] for p in info["pools"]}, "move" in info["capabilities"],
+                          info.get("shm_path", ""), info.get("host_id", ""))
 
     def forget(self, endpoint: str) -> None:
         with self._lock:
             src = self._sources.pop(endpoint, None)
         if src is not None:
-            with src.lock:  # not while another thread uses the socket
+            with src.lock:  # not while another thread uses the socket or copies from the mapping
                 src.client.close()
+                if src.region is not None:
+                    src.region.close()
 
     def lookup(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> list[int]:
         src = self.source(endpoint)
@@ -252,7 +262,9 @@ class Puller:
 
     def _transfer(self, conf: Confirmation, ops: list) -> GetResult:
         src = conf.source
-        if self.transport == "get":
+        if self.transport == "shm" or (self.transport == "auto" and self._same_host(src)):
+            return self._copy_same_host(src, ops)
+        if self.transport in ("get", "auto"):
             return self.plane.get(src.address, src.rkeys, src.region_base,
                                   [(op.local, op.nbytes, op.remote_offset) for op in ops],
                                   timeout_s=self.timeout_s, abandon_s=self.abandon_s)
@@ -278,6 +290,25 @@ class Puller:
 
             return self.plane.receive_tagged(tagged, source_answer, timeout_s=self.timeout_s,
                                              abandon_s=self.abandon_s)
+
+    @staticmethod
+    def _same_host(src: PeerSource) -> bool:
+        return bool(src.host_id) and src.host_id == host_id() and os.access(src.shm_path, os.R_OK)
+
+    def _copy_same_host(self, src: PeerSource, ops: list) -> GetResult:
+        """Same host: copy straight from the source's pool, mapped read-only. A memcpy ends before
+        we return, so nothing is ever left in flight (no cancel, no uncertainty)."""
+        with src.lock:
+            if src.region is None:
+                src.region = Region.attach(src.shm_path, writable=False)
+            base, size = src.region.address, src.region.size
+            done = []
+            for op in ops:
+                inside = 0 <= op.remote_offset and op.remote_offset + op.nbytes <= size
+                if inside:
+                    ctypes.memmove(op.local, base + op.remote_offset, op.nbytes)
+                done.append(inside)
+        return GetResult(tuple(done), error="" if all(done) else "a page lies outside the source's pool")
 
     def _verified_prefix(self, conf: Confirmation, destinations: Sequence[int], n: int) -> int:
         """Cut the delivered run at the first page whose bytes differ from the source's digest."""

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 
 from .config import Config
 from .drivers.nvme import DiskTier
-from .drivers.shm import Region, region_name
+from .drivers.shm import Region, host_id, region_name
 from .proto.announce import Announce
 from .proto.claims import Claim, ClaimTable, Fill, Release
 from .proto.disk_index import DiskIndex
@@ -480,4 +480,4 @@ class Runner:
         return {"pools": [{"name": p.name, "page_bytes": p.page_bytes, "stride": p.stride, "offset": p.offset,
                            "num_slots": p.num_slots, "namespace": p.namespace.fields(),
                            "namespace_digest": p.namespace.digest} for p in self.layouts.values()],
-                "shm_path": self.region.path, "shm_size": self.region.size}
+                "shm_path": self.region.path, "shm_size": self.region.size, "host_id": host_id()}

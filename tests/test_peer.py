@@ -292,7 +292,7 @@ def test_a_restarted_source_is_fenced_and_then_served_afresh(runner_factory, pul
     no_claims_left(ai)  # the claim granted to the stale view was given back
 
 
-@pytest.mark.parametrize("transfer", ["get", "tag"])
+@pytest.mark.parametrize("transfer", ["get", "tag", "shm", "auto"])
 def test_both_transfers_deliver_the_same_bytes_scattered_over_the_destination(runner_factory, puller, transfer):
     a, ai = source(runner_factory)
     keys, _, data = store(ai, 16, seed=15)

@@ -13,6 +13,8 @@ import os
 import resource
 from dataclasses import dataclass
 
+import numpy
+
 SHM_DIR = "/dev/shm"
 
 
@@ -40,6 +42,15 @@ def check_capacity(size: int, *, lock_memory: bool, directory: str = SHM_DIR, ke
         raise RegionError(f"{key} = {size} bytes exceeds the memlock limit ({limit} bytes) while "
                           f"dram.lock_memory is true; raise `ulimit -l` (docker: ulimits.memlock) or "
                           f"set dram.lock_memory = false")
+
+
+def host_id() -> str:
+    """Same value for every process of one booted host (and /dev/shm): the boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def region_name(runner: str, pid: int, incarnation: str) -> str:
@@ -76,11 +87,9 @@ class Region:
 
     @property
     def address(self) -> int:
-        anchor = ctypes.c_char.from_buffer(self.mm)
-        try:
-            return ctypes.addressof(anchor)
-        finally:
-            del anchor  # keeps no buffer export alive, so close() can unmap
+        # numpy reads the pointer of read-only maps too (ctypes' from_buffer needs a writable one);
+        # the temporary array is dropped at once, so no buffer export outlives this call.
+        return int(numpy.frombuffer(self.mm, dtype=numpy.uint8).ctypes.data)
 
     @classmethod
     def create(cls, name: str, size: int, *, lock_memory: bool = False, directory: str = SHM_DIR) -> "Region":
@@ -106,12 +115,13 @@ class Region:
         return region
 
     @classmethod
-    def attach(cls, path: str) -> "Region":
-        """Map an existing runner's region (another process: a TP rank, a self-check)."""
-        fd = os.open(path, os.O_RDWR)
+    def attach(cls, path: str, *, writable: bool = True) -> "Region":
+        """Map an existing runner's region (another process: a TP rank, a self-check, a puller)."""
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
         return cls(path, size, mm, owner=False)
