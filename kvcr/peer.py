@@ -22,7 +22,7 @@ import zmq
 
 from .client import ControlClient, ControlError
 from .config import CurveKeys
-from .drivers.shm import Region, host_id
+from .drivers.shm import Region, RegionError, host_id
 from .drivers.ucx_rma import GetResult
 from .proto import messages as m
 from .proto.announce import Announce
@@ -53,6 +53,7 @@ class PeerSource:
     host_id: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time on its socket
     region: Region | None = None  # its pool, mapped read-only, for same-host copies
+    closed: bool = False          # forgotten: confirmations still holding it must not use it
 
 
 @dataclass
@@ -140,9 +141,11 @@ class Puller:
             src = self._sources.pop(endpoint, None)
         if src is not None:
             with src.lock:  # not while another thread uses the socket or copies from the mapping
+                src.closed = True
                 src.client.close()
                 if src.region is not None:
                     src.region.close()
+                    src.region = None
 
     def lookup(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> list[int]:
         src = self.source(endpoint)
@@ -299,8 +302,13 @@ class Puller:
         """Same host: copy straight from the source's pool, mapped read-only. A memcpy ends before
         we return, so nothing is ever left in flight (no cancel, no uncertainty)."""
         with src.lock:
+            if src.closed or not self._same_host(src):
+                return GetResult((False,) * len(ops), error="the source is gone or not on this host")
             if src.region is None:
-                src.region = Region.attach(src.shm_path, writable=False)
+                try:
+                    src.region = Region.attach(src.shm_path, writable=False)
+                except (OSError, RegionError) as exc:
+                    return GetResult((False,) * len(ops), error=f"cannot map the source's pool: {exc}")
             base, size = src.region.address, src.region.size
             done = []
             for op in ops:

@@ -40,6 +40,14 @@ class RouterCore:
         self.publishers[worker] = publisher
         self.subscriber.add(f"{publisher.worker_id}:{publisher.dp_rank}", publisher.events, publisher.replay)
 
+    def remove(self, worker_id: str) -> None:
+        """A worker that left: no longer a candidate, its blocks forgotten."""
+        for worker in [w for w in self.publishers if w[0] == worker_id]:
+            del self.publishers[worker]
+            self.loads.pop(worker, None)
+            self.subscriber.remove(f"{worker[0]}:{worker[1]}")
+        self.index.remove_worker(worker_id)
+
     def _lost(self, name: str) -> None:
         # Replay could not repair a gap: forget the worker rather than trust a stale view; a kvcr
         # runner's next batch (or heartbeat) brings its clear and re-announcement.
@@ -60,6 +68,8 @@ class RouterCore:
         seq = self.index.sequence_hashes(tokens, lora_name=lora_name, cache_salt=cache_salt)
         overlaps = self.index.overlaps(seq)
         candidates = sorted(self.publishers)
+        if not candidates:
+            raise LookupError("no workers to route to: add publishers first")
         choice = choose(self.model, candidates, overlaps, self.loads, max(1, len(seq)), self.block_size, self.rng)
         endpoints = {w: p.control for w, p in self.publishers.items() if p.control}
         roles = {w: p.role for w, p in self.publishers.items()}

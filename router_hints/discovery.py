@@ -29,7 +29,9 @@ def from_runner_info(worker_id: str, info: dict, *, block_size: int, role: str =
     if info.get("block_size") != block_size:
         raise DiscoveryError(f"worker {worker_id}: runner block_size {info.get('block_size')} != router "
                              f"block_size {block_size}")
-    ep = info["endpoints"]
+    ep = info.get("endpoints")
+    if not isinstance(ep, dict) or not ep.get("events"):
+        raise DiscoveryError(f"worker {worker_id}: runner info has no events endpoint")
     return Publisher(worker_id, int(info.get("dp_rank", 0)), block_size, ep["events"], ep.get("replay"),
                      ep.get("control"), role)
 
@@ -42,9 +44,13 @@ def from_sglang_server_info(worker_id: str, server_info: dict, host: str, *, blo
     if kv.get("block_size") != block_size:
         raise DiscoveryError(f"worker {worker_id}: engine block_size {kv.get('block_size')} != router "
                              f"block_size {block_size}")
+    if not isinstance(kv.get("endpoint_port_base"), int):
+        raise DiscoveryError(f"worker {worker_id}: kv_events has no endpoint_port_base")
     ev_host = kv.get("endpoint_host") or host
     if ev_host in ("*", "0.0.0.0", "::", ""):
         ev_host = host
+    if ":" in ev_host and not ev_host.startswith("["):
+        ev_host = f"[{ev_host}]"  # IPv6 in a tcp:// endpoint
     replay_base = kv.get("replay_endpoint_port_base")
     return [Publisher(worker_id, rank, block_size, f"tcp://{ev_host}:{kv['endpoint_port_base'] + rank}",
                       f"tcp://{ev_host}:{replay_base + rank}" if replay_base else None, None)

@@ -62,6 +62,8 @@ class InventoryIndex:
     # Matching walks a request once per tier class with one integer AND per block: every worker
     # gets a bit, and each block a mask of the workers holding it on device / device or host / anywhere.
     _bits: dict[Worker, int] = field(default_factory=dict)
+    _free_bits: list[int] = field(default_factory=list)
+    _next_bit: int = 0
     _masks: tuple[dict[int, int], dict[int, int], dict[int, int]] = field(
         default_factory=lambda: ({}, {}, {}))
 
@@ -79,6 +81,7 @@ class InventoryIndex:
                 self._removed(worker, state, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(worker)
+                state = self._workers.setdefault(worker, _WorkerState())  # later events start afresh
 
     def _stored(self, worker: Worker, state: _WorkerState, event: BlockStored) -> None:
         tier = _MEDIUM_TIER.get(event.medium)
@@ -93,7 +96,7 @@ class InventoryIndex:
                 return
         local = dynamo_local_block_hashes(event.token_ids[:self.block_size * len(event.block_hashes)],
                                           self.block_size, lora_name=event.lora_name,
-                                          cache_namespace=event.cache_salt)
+                                          cache_namespace=event.cache_salt or _vllm_salt(event))
         for external, content in zip(event.block_hashes, local):
             seq = content if parent_seq is None else dynamo_sequence_hashes([parent_seq, content])[1]
             external &= U64_MASK
@@ -129,9 +132,13 @@ class InventoryIndex:
         empty = _Held(0)
         for seq in state.held:
             self._set_bits(worker, seq, empty)
+        self._free_bits.append(self._bits.pop(worker))  # its bit is clear everywhere: reuse it
 
     def _set_bits(self, worker: Worker, seq: int, held: _Held) -> None:
-        bit = self._bits.setdefault(worker, 1 << len(self._bits))
+        bit = self._bits.get(worker)
+        if bit is None:
+            bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << self._next_bit
+            self._next_bit += bit == 1 << self._next_bit
         device, host, disk = (held.counts.get(t, 0) > 0 for t in TIERS)
         for masks, present in zip(self._masks, (device, device or host, device or host or disk)):
             mask = masks.get(seq, 0)
@@ -200,6 +207,16 @@ def _depths(masks: dict[int, int], seq_hashes: list[int]) -> dict[int, int]:
         out[low] = len(seq_hashes)
         active ^= low
     return out
+
+
+def _vllm_salt(event: BlockStored) -> str | None:
+    """vLLM carries the cache namespace as the first block's extra key "dynamo-cache-salt:<ns>"."""
+    extra_keys = dict(event.extra).get("extra_keys")
+    first = extra_keys[0] if isinstance(extra_keys, list) and extra_keys else None
+    for key in first if isinstance(first, list) else [first]:
+        if isinstance(key, str) and key.startswith("dynamo-cache-salt:"):
+            return key.split(":", 1)[1]
+    return None
 
 
 def _router_drops(event: BlockStored) -> bool:

@@ -63,8 +63,14 @@ def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Ov
         weights = [math.exp(-((costs[w] - lo) / span) / model.temperature) for w in candidates]
         pick = (rng or random.Random()).choices(candidates, weights)[0]
     else:
-        pick = min(candidates, key=lambda w: (costs[w], w))
+        pick = min(candidates, key=lambda w: (costs[w], worker_order(w)))
     return Choice(pick, costs[pick], overlaps.get(pick, Overlap()), costs)
+
+
+def worker_order(worker: Worker) -> tuple:
+    """Numeric ids (Dynamo's u64 worker ids) in numeric order, others after them by name."""
+    worker_id, dp = worker
+    return (0, int(worker_id), "", dp) if worker_id.isdigit() else (1, 0, worker_id, dp)
 
 
 def choose_source(index: InventoryIndex, target: Worker, seq_hashes: list[int], overlaps: dict[Worker, Overlap],
@@ -73,10 +79,11 @@ def choose_source(index: InventoryIndex, target: Worker, seq_hashes: list[int], 
     control endpoint), ties to the lower id; None when no peer beats the target."""
     roles = roles or {}
     mine = overlaps.get(target, Overlap()).depth
+    role = roles.get(target, "aggregated")
     peers = [(w, o.depth) for w, o in overlaps.items()
-             if w != target and o.depth > mine and endpoints.get(w) and roles.get(w) == roles.get(target)]
+             if w != target and o.depth > mine and endpoints.get(w) and roles.get(w, "aggregated") == role]
     if not peers:
         return None
-    source, depth = min(peers, key=lambda p: (-p[1], p[0]))
+    source, depth = min(peers, key=lambda p: (-p[1], worker_order(p[0])))
     hashes = index.external_hashes(source, seq_hashes[:depth])
     return build_envelope(endpoints[source], hashes) if hashes else None

@@ -64,6 +64,12 @@ class Subscriber:
         self._publishers[name] = _Publisher(name, endpoint, replay_endpoint)
         self._sockets[name] = sock
 
+    def remove(self, name: str) -> None:
+        self._publishers.pop(name, None)
+        sock = self._sockets.pop(name, None)
+        if sock is not None:
+            sock.close()
+
     def start_after(self, name: str, seq: int) -> None:
         """Continue `name` after a snapshot taken at `seq`."""
         self._publishers[name].tracker.start_after_snapshot(seq)

@@ -147,3 +147,30 @@ def test_overlaps_equal_what_dynamos_indexer_reports_for_the_same_events(indexer
     finally:
         pub.stop()
         ctx.term()
+
+
+def test_a_clear_in_the_middle_of_a_batch_keeps_what_follows_and_bits_are_reused():
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(6, 2)
+    first, _ = stored(t, 0, 1, "GPU")
+    index.apply("w1", batch(first, AllBlocksCleared(), stored(t, 0, 2, "CPU_PINNED")[0]))
+    seq = index.sequence_hashes(t)
+    assert index.overlaps(seq)[("w1", 0)] == Overlap(host=2)
+    for i in range(200):  # workers coming and going never grow the bitmasks
+        index.apply(f"x{i}", batch(first))
+        index.remove_worker(f"x{i}")
+    assert max(index._bits.values()).bit_length() <= 2
+
+
+def test_vllm_salt_in_extra_keys_namespaces_the_block():
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(7, 1)
+    event = BlockStored(block_hashes=(5,), parent_block_hash=None, token_ids=tuple(t), block_size=BLOCK,
+                        medium="GPU", extra=(("extra_keys", [["dynamo-cache-salt:tenant-b"]]),))
+    index.apply("w1", batch(event))
+    assert index.overlaps(index.sequence_hashes(t)) == {}
+    assert index.overlaps(index.sequence_hashes(t, cache_salt="tenant-b"))[("w1", 0)].device == 1
+
+
+def test_numeric_worker_ids_tie_break_numerically():
+    assert choose(CostModel(), [("10", 0), ("9", 0)], {}, {}, 4, BLOCK).worker == ("9", 0)

@@ -120,6 +120,8 @@ class Region:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
+            if size <= 0:
+                raise RegionError(f"{path} is empty: not a runner's pool")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
