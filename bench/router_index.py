@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import Spread, machine_line, publish, table  # noqa: E402
 from kvcr.proto.announce import announce_request  # noqa: E402
-from kvcr.proto.events import BlockStored, EventBatch  # noqa: E402
+from kvcr.proto.events import EventBatch  # noqa: E402
+from kvcr.proto.pool import coalesce_announces  # noqa: E402
 from kvcr.proto.tokenhash import dynamo_local_block_hashes  # noqa: E402
 from router_hints.index import InventoryIndex  # noqa: E402
 
@@ -46,9 +47,8 @@ def workload(workers: int, seed: int = 0):
             depth, medium = rng.randrange(PER_EVENT, DOC_BLOCKS + 1), rng.choice(list(TIER))
             for start in range(0, depth, PER_EVENT):
                 ann = announces[doc][start:min(depth, start + PER_EVENT)]
-                ours.append((str(w), EventBatch(ts=0.0, dp_rank=0, events=(BlockStored(
-                    block_hashes=tuple(a.event_hash for a in ann), parent_block_hash=ann[0].parent_hash,
-                    token_ids=tuple(t for a in ann for t in a.token_ids), block_size=BLOCK, medium=medium),))))
+                ours.append((str(w), EventBatch(ts=0.0, dp_rank=0,
+                                                events=tuple(coalesce_announces(ann, BLOCK, medium)))))
                 rust.append([w, json.dumps({"event_id": len(rust), "dp_rank": 0, "storage_tier": TIER[medium],
                                             "data": {"stored": {"parent_hash": ann[0].parent_hash and
                                                                 ann[0].parent_hash & (2**64 - 1),

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, publish, table  # noqa: E402
 from kvcr.proto.announce import announce_request  # noqa: E402
-from kvcr.proto.events import BlockStored, EventBatch  # noqa: E402
+from kvcr.proto.events import EventBatch  # noqa: E402
+from kvcr.proto.pool import coalesce_announces  # noqa: E402
 from router_hints.core import RouterCore  # noqa: E402
 from router_hints.discovery import Publisher  # noqa: E402
 
@@ -44,9 +45,8 @@ def main() -> int:
         depth, medium = rng.randrange(1, 2049), rng.choice(["GPU", "CPU_PINNED", "DISK"])
         for start in range(0, depth, 64):
             ann = announces[start:min(depth, start + 64)]
-            core.index.apply(str(w), EventBatch(ts=0.0, dp_rank=0, events=(BlockStored(
-                block_hashes=tuple(a.event_hash for a in ann), parent_block_hash=ann[0].parent_hash,
-                token_ids=tuple(t for a in ann for t in a.token_ids), block_size=BLOCK, medium=medium),)))
+            core.index.apply(str(w), EventBatch(ts=0.0, dp_rank=0,
+                                                events=tuple(coalesce_announces(ann, BLOCK, medium))))
     rows = []
     for tokens in (8192, 32768):
         request = doc[:tokens]

@@ -10,6 +10,7 @@ from kvcr.proto.announce import announce_request
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.hints import parse_envelope
 from kvcr.proto.keys import to_u64
+from kvcr.proto.pool import coalesce_announces
 from router_hints.index import InventoryIndex, Overlap
 from router_hints.scoring import CostModel, Load, choose, choose_source, cost
 from tests.conftest import wait_until
@@ -19,9 +20,8 @@ BLOCK = 16
 
 def stored(tokens, first, n, medium, lora=None, salt=None):
     ann = announce_request(tokens, BLOCK, cache_salt=salt, lora_name=lora)[first:first + n]
-    return BlockStored(block_hashes=tuple(a.event_hash for a in ann), parent_block_hash=ann[0].parent_hash,
-                       token_ids=tuple(t for a in ann for t in a.token_ids), block_size=BLOCK, medium=medium,
-                       lora_name=lora, cache_salt=salt), ann
+    (event,) = coalesce_announces(ann, BLOCK, medium)  # the runner's own path: one event per chain run
+    return event, ann
 
 
 def batch(*events, dp_rank=0):
