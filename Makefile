@@ -12,9 +12,10 @@ SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow triton==3.
 
 .PHONY: demo test setup sglang-setup dynamo-setup bench clean
 
+# torch is named in the same install so pip keeps the CPU build instead of resolving another one.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,demo]' '$(TORCH)'
 	touch $@
 
 $(VENV)/.sglang: $(VENV)/.installed

@@ -85,6 +85,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(config=args.config, pages=args.pages)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .drivers.shm import RegionError
+    from .worker.launch import run
+
+    try:
+        return run(args, _parse_set(args.set))
+    except (ConfigError, RegionError, FileNotFoundError) as exc:
+        print(f"kvcr worker: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from router_hints.discovery import DiscoveryError
+    from router_hints.http.config import RouterConfigError
+    from router_hints.http.server import run
+
+    try:
+        return run(args.config, _parse_set(args.set), info_file=args.info_file)
+    except (RouterConfigError, DiscoveryError, FileNotFoundError) as exc:
+        print(f"kvcr router: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcr", description="Router-aware distributed KV-cache reuse")
     parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
@@ -117,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control", required=True)
     p.add_argument("--pages", type=int, default=64)
     p.set_defaults(func=cmd_selfcheck)
+
+    p = sub.add_parser("worker", help="a small CPU transformer behind SGLang/OpenAI routes, KV in its own runner")
+    from .worker.options import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("router", help="the reference KV-aware HTTP router (router_hints)")
+    p.add_argument("--config", required=True, help="router config (TOML or JSON)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a router config key")
+    p.add_argument("--info-file", help="write the router's info JSON (url) here once up")
+    p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("demo", help="start a runner, tail its events and run the self-check")
     p.add_argument("--config", default=None)

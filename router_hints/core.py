@@ -8,12 +8,15 @@ Subscriber and an InventoryIndex, and answers `route(tokens)` with the target wo
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
+from kvcr.proto.events import EventBatch
+
 from .discovery import Publisher
-from .index import InventoryIndex, Worker
+from .index import InventoryIndex, Overlap, Worker
 from .scoring import Choice, CostModel, Load, choose, choose_source
-from .subscriber import Delivery, Subscriber
+from .subscriber import Delivery, Notice, Subscriber
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,9 @@ class RouterCore:
         self.subscriber = Subscriber(on_unrepaired=self._lost)
         self.publishers: dict[Worker, Publisher] = {}
         self.loads: dict[Worker, Load] = {}
+        self.num_batches = 0
+        self.needs_snapshot: set[Worker] = set()  # lost a gap replay could not repair
+        self.event_lag_s = 0.0  # publish-to-apply delay of the latest batch (publisher clock)
 
     def add(self, publisher: Publisher) -> None:
         worker = (publisher.worker_id, publisher.dp_rank)
@@ -53,24 +59,47 @@ class RouterCore:
         # runner's next batch (or heartbeat) brings its clear and re-announcement.
         worker_id, dp = name.rsplit(":", 1)
         self.index.clear((worker_id, int(dp)))
+        self.needs_snapshot.add((worker_id, int(dp)))
+
+    def load_snapshot(self, worker: Worker, seq: int, events: list) -> None:
+        """Replace what we know of `worker` with its runner's snapshot taken at batch `seq`; the
+        live stream continues after it (earlier batches are then stale)."""
+        self.index.clear(worker)
+        self.index.apply(worker[0], EventBatch(ts=time.time(), events=tuple(events), dp_rank=worker[1]), worker[1])
+        self.subscriber.start_after(f"{worker[0]}:{worker[1]}", seq)
+        self.needs_snapshot.discard(worker)
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply whatever arrived; returns the batches applied."""
         n = 0
         for item in self.subscriber.poll(timeout_ms):
-            if isinstance(item, Delivery):
+            if isinstance(item, Notice) and item.kind == "restart":
+                # A publisher whose seq went back restarted: what it held before is gone.
+                worker_id, dp = item.publisher.rsplit(":", 1)
+                self.index.clear((worker_id, int(dp)))
+            elif isinstance(item, Delivery):
                 worker_id, dp = item.publisher.rsplit(":", 1)
                 self.index.apply(worker_id, item.batch, int(dp))
+                if not item.replayed:
+                    self.event_lag_s = max(0.0, time.time() - item.batch.ts)
                 n += 1
+        self.num_batches += n
         return n
 
-    def route(self, tokens: list[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> Route:
+    def route(self, tokens: list[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+              pinned: Worker | None = None) -> Route:
+        """The cheapest worker and a hint; `pinned` (an operator's override) fixes the target and
+        still gets the hint, so the pinned worker pulls what a peer holds."""
         seq = self.index.sequence_hashes(tokens, lora_name=lora_name, cache_salt=cache_salt)
         overlaps = self.index.overlaps(seq)
         candidates = sorted(self.publishers)
         if not candidates:
             raise LookupError("no workers to route to: add publishers first")
+        if pinned is not None and pinned not in self.publishers:
+            raise LookupError(f"pinned worker {pinned} is not a known worker")
         choice = choose(self.model, candidates, overlaps, self.loads, max(1, len(seq)), self.block_size, self.rng)
+        if pinned is not None:
+            choice = Choice(pinned, choice.costs[pinned], overlaps.get(pinned, Overlap()), choice.costs)
         endpoints = {w: p.control for w, p in self.publishers.items() if p.control}
         roles = {w: p.role for w, p in self.publishers.items()}
         hint = choose_source(self.index, choice.worker, seq, overlaps, endpoints, roles)

@@ -1,0 +1,1 @@
+"""`kvcr worker`: a small CPU transformer behind SGLang-compatible routes, its KV pages in a runner."""

@@ -1,0 +1,114 @@
+"""The reference router's config: strict, and every error names the key."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..scoring import CostModel
+
+ENGINES = ("kvcr-worker", "sglang")
+
+
+class RouterConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEntry:
+    name: str
+    url: str            # the engine's HTTP base URL
+    runner: str         # its runner's info endpoint (http:// or tcp:// control); "" = from the engine's /server_info
+    role: str = "aggregated"
+    engine: str = "kvcr-worker"  # which body field carries hints on /generate: both take `kv_hints`
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str
+    port: int
+    block_size: int
+    tokenizer: str
+    model: str
+    request_timeout_s: float
+    attach_hints: bool
+    post_hints: bool
+    cost: CostModel
+    workers: tuple[WorkerEntry, ...]
+
+
+def _typed(key: str, value: Any, tp: type) -> Any:
+    ok = isinstance(value, tp) and not (tp is not bool and isinstance(value, bool))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise RouterConfigError(f"{key} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def _section(raw: Any, key: str, spec: dict[str, tuple[type, Any]]) -> dict:
+    if not isinstance(raw, dict):
+        raise RouterConfigError(f"{key} must be a table")
+    unknown = sorted(set(raw) - set(spec))
+    if unknown:
+        raise RouterConfigError(f"{key}.{unknown[0]} is not a known key (known: {', '.join(sorted(spec))})")
+    return {k: _typed(f"{key}.{k}", raw.get(k, default), tp) for k, (tp, default) in spec.items()}
+
+
+ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (int, 16), "tokenizer": (str, ""),
+               "model": (str, "kvcr"), "request_timeout_s": (float, 600.0), "attach_hints": (bool, True),
+               "post_hints": (bool, True)}
+WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
+               "engine": (str, "kvcr-worker")}
+COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
+
+
+def _worker(i: int, raw: Any) -> WorkerEntry:
+    key = f"workers[{i}]"
+    if isinstance(raw, dict):
+        for req in ("name", "url"):
+            if req not in raw:
+                raise RouterConfigError(f"{key}.{req} is required")
+    w = _section(raw, key, WORKER_KEYS)
+    if not w["url"].startswith(("http://", "https://")):
+        raise RouterConfigError(f"{key}.url = {w['url']!r} must be an http:// URL")
+    if w["engine"] not in ENGINES:
+        raise RouterConfigError(f"{key}.engine = {w['engine']!r} must be one of {ENGINES}")
+    return WorkerEntry(**w)
+
+
+def parse_router_config(raw: dict) -> RouterConfig:
+    unknown = sorted(set(raw) - {"router", "cost", "workers"})
+    if unknown:
+        raise RouterConfigError(f"{unknown[0]} is not a known section (router, cost, workers)")
+    r = _section(raw.get("router", {}), "router", ROUTER_KEYS)
+    cost = CostModel(**_section(raw.get("cost", {}), "cost", COST_KEYS))
+    workers = raw.get("workers", [])
+    if not isinstance(workers, list) or not workers:
+        raise RouterConfigError("workers must list at least one worker")
+    entries = tuple(_worker(i, w) for i, w in enumerate(workers))
+    names = [w.name for w in entries]
+    if len(set(names)) != len(names):
+        raise RouterConfigError(f"workers has a duplicate name in {names}")
+    if r["block_size"] < 1:
+        raise RouterConfigError(f"router.block_size = {r['block_size']} must be >= 1")
+    if not 0 <= r["port"] < 65536:
+        raise RouterConfigError(f"router.port = {r['port']} is not a port")
+    return RouterConfig(**r, cost=cost, workers=entries)
+
+
+def load_router_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    text = Path(path).read_text()
+    try:
+        raw = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise RouterConfigError(f"{path}: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in ("router", "cost") or not key:
+            raise RouterConfigError(f"--set {dotted}: only router.* and cost.* keys can be overridden")
+        raw.setdefault(section, {})[key] = value
+    return parse_router_config(raw)

@@ -1,0 +1,310 @@
+"""`kvcr router`: hash each request's pages, pick the cheapest worker from the live index and
+load, name a peer to pull the rest from, and forward the request unchanged but for the hint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvcr.cli import fetch_info
+from kvcr.client import ControlClient, ControlError
+from kvcr.proto import messages as m
+
+from ..core import Route, RouterCore
+from ..discovery import DiscoveryError, from_runner_info
+from ..index import Worker
+from ..scoring import Load
+from ..text import RequestError, TextTokenizer, request_tokens
+from . import front
+from .config import RouterConfig, WorkerEntry, load_router_config
+
+log = logging.getLogger(__name__)
+PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class RouterMetrics:
+    def __init__(self, app: "Router") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.decisions = Counter("kvcr_router_decisions", "Requests routed, by target worker and route",
+                                 ["worker", "route"], registry=r)
+        self.overlap = Counter("kvcr_router_overlap_blocks", "Cached blocks of the chosen target, by tier",
+                               ["tier"], registry=r)
+        self.hints = Counter("kvcr_router_hints", "Source hints: issued, posted to the target runner, attached to "
+                             "the body, failed to post", ["outcome"], registry=r)
+        self.stripped = Counter("kvcr_router_client_hints_stripped", "Hints clients put in requests (removed)",
+                                registry=r)
+        self.upstream_errors = Counter("kvcr_router_upstream_errors", "Requests a worker failed", ["worker"],
+                                       registry=r)
+        self.route_seconds = Histogram("kvcr_router_route_seconds", "Tokenize + hash + score + hint time",
+                                       buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r)
+        Gauge("kvcr_router_index_blocks", "Blocks held in the index (all workers and tiers)",
+              registry=r).set_function(lambda: app.core.index.num_blocks())
+        Gauge("kvcr_router_event_lag_seconds", "Publish-to-apply delay of the latest event batch",
+              registry=r).set_function(lambda: app.core.event_lag_s)
+        Gauge("kvcr_router_event_batches", "Event batches applied", registry=r).set_function(
+            lambda: app.core.num_batches)
+        Gauge("kvcr_router_malformed_frames", "Event frames skipped as malformed", registry=r).set_function(
+            lambda: app.core.subscriber.num_malformed)
+        self.inflight = Gauge("kvcr_router_inflight", "Requests in flight, by worker", ["worker"], registry=r)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = TextTokenizer(cfg.tokenizer or None)
+        self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost)
+        self.entries: dict[Worker, WorkerEntry] = {}
+        self.metrics = RouterMetrics(self)
+        self._posting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcr-router-post")  # owns the sockets
+        self._clients: dict[str, ControlClient] = {}
+        self.session: aiohttp.ClientSession | None = None
+
+    # --- discovery and events ------------------------------------------------------------------
+
+    async def discover(self, entry: WorkerEntry, timeout_s: float = 120.0) -> None:
+        """Find the worker's runner through info endpoints (retrying while it starts)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                info = await self._runner_info(entry)
+                publisher = from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
+                break
+            except (OSError, TimeoutError, aiohttp.ClientError, KeyError) as exc:
+                if time.monotonic() > deadline:
+                    raise DiscoveryError(f"worker {entry.name}: no runner info within {timeout_s:.0f} s: {exc}") \
+                        from None
+                await asyncio.sleep(0.5)
+        self.core.add(publisher)
+        worker = (publisher.worker_id, publisher.dp_rank)
+        self.entries[worker] = entry
+        await self.resync(worker)
+        log.info("worker %s: events %s, control %s", entry.name, publisher.events, publisher.control)
+
+    async def _runner_info(self, entry: WorkerEntry) -> dict:
+        if entry.runner:
+            return await asyncio.to_thread(fetch_info, entry.runner)
+        async with self.session.get(entry.url.rstrip("/") + "/server_info") as resp:
+            resp.raise_for_status()
+            info = await resp.json()
+        if "kvcr_runner" not in info:
+            raise DiscoveryError(f"worker {entry.name}: /server_info has no kvcr_runner; set its `runner` "
+                                 "(the runner's http:// or tcp:// control endpoint)")
+        return info["kvcr_runner"]
+
+    async def resync(self, worker: Worker) -> None:
+        """Load the runner's inventory snapshot (a router that joins late, or lost a gap)."""
+        control = self.core.publishers[worker].control
+        if not control:
+            return  # an engine's own publisher: replay is all there is
+        try:
+            seq, events = await asyncio.to_thread(_snapshot, control)
+        except (TimeoutError, ControlError, OSError) as exc:
+            log.warning("snapshot of %s failed (retried later): %s", worker[0], exc)
+            self.core.needs_snapshot.add(worker)
+            return
+        self.core.load_snapshot(worker, seq, events)
+
+    async def follow_events(self) -> None:
+        while True:
+            n = self.core.poll(0)
+            for worker in list(self.core.needs_snapshot):
+                await self.resync(worker)
+            await asyncio.sleep(0 if n else 0.002)
+
+    # --- routing ---------------------------------------------------------------------------------
+
+    def decide(self, tokens: list[int], pinned: str | None = None) -> Route:
+        start = time.perf_counter()
+        self.core.poll(0)  # whatever arrived since the last tick
+        worker = None
+        if pinned is not None:
+            worker = next((w for w, e in self.entries.items() if e.name == pinned), None)
+            if worker is None:
+                raise RequestError(f"X-KVCR-Target names no worker: {pinned!r}")
+        decision = self.core.route(tokens, pinned=worker)
+        self.metrics.route_seconds.observe(time.perf_counter() - start)
+        return decision
+
+    def _post(self, endpoint: str, envelope: dict) -> None:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = self._clients[endpoint] = ControlClient(endpoint, timeout_s=2.0)
+        client.request(m.PostHint(envelope=envelope))
+
+    async def post_hint(self, worker: Worker, envelope: dict) -> None:
+        control = self.core.publishers[worker].control
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._posting, self._post, control, envelope)
+            self.metrics.hints.labels("posted").inc()
+        except (TimeoutError, ControlError, OSError) as exc:
+            # The request still runs; it computes what a pull would have brought.
+            self.metrics.hints.labels("post_failed").inc()
+            log.warning("posting a hint to %s failed: %s", control, exc)
+
+    def debug_view(self, tokens: list[int]) -> dict:
+        decision = self.decide(tokens)
+        overlaps = self.core.index.overlaps(self.core.index.sequence_hashes(tokens))
+        rows = []
+        for w in sorted(self.core.publishers):
+            o = overlaps.get(w)
+            rows.append({"worker": w[0], "dp_rank": w[1],
+                         "overlap": {"device": o.device, "host": o.host, "disk": o.disk} if o else
+                         {"device": 0, "host": 0, "disk": 0},
+                         "load": asdict(self.core.loads.get(w, Load())), "cost": decision.choice.costs[w]})
+        return {"tokens": len(tokens), "block_size": self.cfg.block_size, "request_blocks": decision.request_blocks,
+                "cost_model": asdict(self.cfg.cost), "workers": rows,
+                "choice": {"worker": decision.choice.worker[0], "dp_rank": decision.choice.worker[1],
+                           "cost": decision.choice.cost},
+                "hint": decision.hint, "index_blocks": self.core.index.num_blocks()}
+
+    # --- HTTP -----------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.add_routes([*(web.post(path, self._handler(route)) for route, path in PATHS.items()),
+                        web.post("/debug/index", self.debug_index), web.get("/metrics", self.metrics_page),
+                        web.get("/health", self.health), web.get("/workers", self.workers)])
+        return app
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    def _handler(self, route: str):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                body, removed = front.strip_client_hints(await self._body(request))
+                tokens = request_tokens(body, route, self.tokenizer)
+                decision = self.decide(tokens, request.headers.get("X-KVCR-Target"))
+            except RequestError as exc:
+                return web.json_response({"error": {"message": str(exc)}}, status=400)
+            self.metrics.stripped.inc(removed)
+            return await self._forward(request, route, body, tokens, decision)
+        return handle
+
+    async def _forward(self, request: web.Request, route: str, body: dict, tokens: list[int], decision: Route
+                       ) -> web.StreamResponse:
+        target = decision.choice.worker
+        entry = self.entries[target]
+        self._count(route, decision)
+        if decision.hint is not None:
+            self.metrics.hints.labels("issued").inc()
+            if self.cfg.post_hints:
+                await self.post_hint(target, decision.hint)
+            if self.cfg.attach_hints and route == "generate":
+                body = front.attach_hint(body, decision.hint)
+                self.metrics.hints.labels("attached").inc()
+        source_depth = len(front.hint_hashes(decision.hint))
+        booking = front.Booking(target, len(tokens),
+                                max(0, decision.request_blocks - max(decision.choice.overlap.depth, source_depth)),
+                                decision.request_blocks)
+        front.book(self.core.loads, booking)
+        self.metrics.inflight.labels(entry.name).inc()
+        prefilled = False
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
+            async with self.session.post(entry.url.rstrip("/") + PATHS[route], json=body, timeout=timeout) as up:
+                resp = web.StreamResponse(status=up.status, headers={
+                    "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    if not prefilled:
+                        front.prefill_done(self.core.loads, booking)
+                        prefilled = True
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.metrics.upstream_errors.labels(entry.name).inc()
+            return web.json_response({"error": {"message": f"worker {entry.name} failed: {exc!r}"}}, status=502)
+        finally:
+            front.finished(self.core.loads, booking, prefilled)
+            self.metrics.inflight.labels(entry.name).dec()
+
+    def _count(self, route: str, decision: Route) -> None:
+        self.metrics.decisions.labels(self.entries[decision.choice.worker].name, route).inc()
+        o = decision.choice.overlap
+        for tier, n in (("device", o.device), ("host", o.host), ("disk", o.disk)):
+            self.metrics.overlap.labels(tier).inc(n)
+
+    async def debug_index(self, request: web.Request) -> web.Response:
+        route = request.query.get("route", "generate")
+        if route not in PATHS:
+            return web.json_response({"error": {"message": f"route must be one of {sorted(PATHS)}"}}, status=400)
+        try:
+            tokens = request_tokens(await self._body(request), route, self.tokenizer)
+        except RequestError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        return web.json_response(self.debug_view(tokens))
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def workers(self, request: web.Request) -> web.Response:
+        return web.json_response([{"name": e.name, "url": e.url, "dp_rank": w[1],
+                                   "events": self.core.publishers[w].events, "control": self.core.publishers[w].control,
+                                   "load": asdict(self.core.loads.get(w, Load()))} for w, e in self.entries.items()])
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        self._posting.submit(lambda: [c.close() for c in self._clients.values()]).result()
+        self._posting.shutdown()
+        self.core.close()
+
+
+def _snapshot(control: str) -> tuple[int, list]:
+    with ControlClient(control, timeout_s=5.0) as client:
+        return client.snapshot()
+
+
+async def serve(cfg: RouterConfig, info_file: str | None = None) -> None:
+    router = Router(cfg)
+    router.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    runner = web.AppRunner(router.app(), access_log=None)
+    try:
+        await asyncio.gather(*(router.discover(e) for e in cfg.workers))
+        follower = asyncio.create_task(router.follow_events())
+        await runner.setup()
+        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        url = f"http://{cfg.host}:{runner.addresses[0][1]}"
+        if info_file:
+            tmp = Path(info_file + ".tmp")
+            tmp.write_text(json.dumps({"url": url, "workers": [e.name for e in cfg.workers]}))
+            os.replace(tmp, info_file)
+        log.info("kvcr router at %s, %d workers", url, len(cfg.workers))
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        await done.wait()
+        follower.cancel()
+    finally:
+        await runner.cleanup()
+        await router.close()
+
+
+def run(config: str, overrides: dict[str, Any], *, info_file: str | None = None) -> int:
+    asyncio.run(serve(load_router_config(config, overrides), info_file))
+    return 0

@@ -1,0 +1,180 @@
+"""The reference router in front of real `kvcr worker` processes (torch model, runner, UCX pulls)."""
+
+import json
+
+import pytest
+
+from router_hints.http.config import RouterConfigError, parse_router_config
+from router_hints.http.front import strip_client_hints
+from tests.cluster import http, router, worker
+from tests.conftest import wait_until
+
+PROMPT = "Every inference worker keeps KV pages in a local DRAM pool and an NVMe tier. " * 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    workers = [worker(tmp, f"w{i}").start() for i in range(2)]
+    try:
+        for w in workers:
+            w.wait_ready()
+        front = router(tmp, workers).start()
+        front.wait_ready()
+        yield front, workers
+    finally:
+        for p in [*workers, *([front] if "front" in locals() else [])]:
+            p.stop()
+
+
+def generate(url: str, text: str, headers: dict | None = None, **extra) -> tuple[str | None, dict]:
+    status, hdrs, body = http(url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 6}, **extra},
+                              headers)
+    assert status == 200, body
+    return hdrs.get("X-KVCR-Worker"), json.loads(body)
+
+
+def claims_held(w) -> float:
+    _, _, body = http(w.url + "/metrics")
+    return next(float(line.split()[-1]) for line in body.decode().splitlines()
+                if line.startswith("kvcr_claims_held "))
+
+
+def dynamo_cost(model: dict, row: dict, request_blocks: int) -> float:
+    """Dynamo's default cost, recomputed here from the formula (not from router_hints.scoring)."""
+    o, load = row["overlap"], row["load"]
+    credit = (model["overlap_score_credit"] * o["device"] + model["host_cache_hit_weight"] * o["host"]
+              + model["disk_cache_hit_weight"] * o["disk"])
+    return (model["prefill_load_scale"] * max(0.0, load["active_prefill_blocks"] + request_blocks - credit)
+            + load["potential_decode_blocks"] + model["decode_active_request_weight"] * load["active_requests"])
+
+
+def test_a_streamed_chat_through_the_router_returns_the_bytes_of_a_direct_request(cluster):
+    front, workers = cluster
+    body = {"messages": [{"role": "system", "content": "You route KV."}, {"role": "user", "content": PROMPT}],
+            "max_tokens": 8, "stream": True, "rid": "same-request"}
+    for _ in range(3):  # `created` is whole seconds: a second boundary between the calls is retried
+        status, hdrs, routed = http(front.url + "/v1/chat/completions", body)
+        assert status == 200 and hdrs["Content-Type"].startswith("text/event-stream")
+        target = next(w for w in workers if w.info["kvcr_runner"]["name"] == hdrs["X-KVCR-Worker"])
+        _, _, direct = http(target.url + "/v1/chat/completions", body)
+        if routed == direct:
+            break
+    assert routed == direct
+    assert routed.endswith(b"data: [DONE]\n\n") and routed.count(b"data: ") == 9
+
+
+def test_the_target_is_the_cost_minimum_recomputed_from_debug_index(cluster):
+    front, workers = cluster
+    text = "A prefix that only the second worker holds, long enough for several pages. " * 4
+    generate(workers[1].url, text)  # w1 stores it and announces the pages
+    view = wait_until(lambda: (v := json.loads(http(front.url + "/debug/index", {"text": text})[2]))
+                      ["workers"][1]["overlap"]["host"] > 0 and v, 10, 0.05, "router indexed w1's pages")
+    costs = {row["worker"]: dynamo_cost(view["cost_model"], row, view["request_blocks"]) for row in view["workers"]}
+    assert costs == {row["worker"]: row["cost"] for row in view["workers"]}
+    best = min(costs, key=lambda w: (costs[w], w))
+    assert best == "w1" and costs["w1"] < costs["w0"]
+    worker_name, out = generate(front.url, text)
+    assert worker_name == view["choice"]["worker"] == best
+    assert out["meta_info"]["kvcr"]["dram_pages"] == view["workers"][1]["overlap"]["host"]
+
+
+def test_a_worker_without_the_prefix_pulls_it_from_the_peer_the_hint_names(cluster):
+    front, workers = cluster
+    text = "Pages the first worker computes and the second pulls over UCX on the router's hint. " * 5
+    _, cold = generate(workers[0].url, text)
+    wait_until(lambda: json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"][0]["overlap"]
+               ["host"] > 0, 10, 0.05, "router indexed w0's pages")
+    name, out = generate(front.url, text, headers={"X-KVCR-Target": "w1"}, kvcr_oracle=True)
+    kv = out["meta_info"]["kvcr"]
+    assert name == "w1" and kv["peer_pages"] == cold["meta_info"]["kvcr"]["stored_pages"] > 0
+    assert kv["source"] == workers[0].info["kvcr_runner"]["endpoints"]["control"]
+    assert kv["oracle"]["chunked_equal"] and kv["oracle"]["ok"]
+    assert out["output_ids"] == cold["output_ids"]
+    assert claims_held(workers[0]) == 0
+    metrics = http(front.url + "/metrics")[2].decode()
+    assert 'kvcr_router_hints_total{outcome="posted"}' in metrics
+    assert 'kvcr_router_decisions_total{route="generate",worker="w1"}' in metrics
+
+
+def test_a_hint_a_client_supplies_is_stripped_before_the_worker_sees_it(cluster):
+    front, workers = cluster
+    bogus = {"protocol_version": "0.1", "actions": [{"action_type": "kv.fetch", "action_version": "1.0", "payload": {
+        "source_control_endpoint": "tcp://192.0.2.1:1", "block_hashes": [1, 2, 3]}}]}
+    _, out = generate(front.url, "Text no worker has seen before, with a hint of the client's own. " * 3,
+                      kv_hints=bogus, kv_transfer_params={"kv_hint": bogus, "other": 1})
+    assert out["meta_info"]["kvcr"]["source"] is None
+    assert "kvcr_router_client_hints_stripped_total 2.0" in http(front.url + "/metrics")[2].decode()
+    clean, removed = strip_client_hints({"text": "x", "sampling_params": {"extra_args": {"kv_transfer_params": {
+        "kv_hint": bogus}}}})
+    assert removed == 1 and clean["sampling_params"]["extra_args"]["kv_transfer_params"] == {}
+
+
+@pytest.mark.parametrize("body, problem", [
+    (b"{not json", "not JSON"),
+    ({"sampling_params": {"max_new_tokens": 4}}, "text must be a string"),
+    ({"input_ids": [1, -2]}, "input_ids must be a non-empty list of non-negative integers"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an integer"),
+])
+def test_a_bad_request_is_refused_with_the_field_named(cluster, body, problem):
+    front, workers = cluster
+    for url in (front.url, workers[0].url):
+        status, _, out = http(url + "/generate", body)
+        assert status == 400 and problem in json.loads(out)["error"]["message"]
+
+
+def test_a_worker_refuses_a_malformed_hint_with_the_reason(cluster):
+    _, workers = cluster
+    status, _, out = http(workers[0].url + "/generate", {"text": "hello", "kv_hints": {"actions": [{
+        "action_type": "kv.fetch", "payload": {"source_control_endpoint": "tcp://x:1", "block_hashes": [-1]}}]}})
+    assert status == 400 and "block_hashes entries must be integers in [0, 2^64)" in json.loads(out)["error"]["message"]
+
+
+def test_an_openai_completion_and_a_pinned_unknown_worker(cluster):
+    front, _ = cluster
+    status, _, out = http(front.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+    body = json.loads(out)
+    assert status == 200 and body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 3
+    status, _, out = http(front.url + "/generate", {"text": "x"}, headers={"X-KVCR-Target": "nope"})
+    assert status == 400 and "X-KVCR-Target names no worker" in json.loads(out)["error"]["message"]
+
+
+def test_the_router_learns_a_runners_existing_pages_from_its_snapshot(cluster, tmp_path):
+    front, workers = cluster
+    text = "Stored before the second router started: it must learn them from the snapshot. " * 3
+    generate(workers[0].url, text)
+    late = router(tmp_path, workers, name="late").start()
+    try:
+        late.wait_ready()
+        view = json.loads(http(late.url + "/debug/index", {"text": text})[2])
+        assert view["workers"][0]["overlap"]["host"] == view["request_blocks"] > 0
+    finally:
+        late.stop()
+
+
+@pytest.mark.parametrize("raw, problem", [
+    ({"workers": []}, "workers must list at least one worker"),
+    ({"workers": [{"url": "http://h:1"}]}, "workers[0].name is required"),
+    ({"workers": [{"name": "a", "url": "tcp://h:1"}]}, "workers[0].url = 'tcp://h:1' must be an http:// URL"),
+    ({"router": {"port": "80"}, "workers": [{"name": "a", "url": "http://h:1"}]}, "router.port must be int"),
+    ({"cost": {"host_weight": 1}, "workers": [{"name": "a", "url": "http://h:1"}]},
+     "cost.host_weight is not a known key"),
+    ({"workers": [{"name": "a", "url": "http://h:1", "engine": "vllm"}]}, "workers[0].engine = 'vllm' must be one"),
+])
+def test_a_bad_router_config_is_refused_with_the_key_named(raw, problem):
+    with pytest.raises(RouterConfigError, match=problem.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        parse_router_config(raw)
+
+
+def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, tmp_path):
+    """Stock SGLang drops request hints before storage: the router's post to the runner carries it."""
+    front, workers = cluster
+    text = "Only the posted hint tells the second worker where these pages are. " * 4
+    generate(workers[0].url, text)
+    no_attach = router(tmp_path, workers, name="post-only", attach_hints=False).start()
+    try:
+        no_attach.wait_ready()
+        name, out = generate(no_attach.url, text, headers={"X-KVCR-Target": "w1"})
+        assert name == "w1" and out["meta_info"]["kvcr"]["peer_pages"] > 0
+    finally:
+        no_attach.stop()
