@@ -80,9 +80,9 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .selfcheck import run_demo
+    from .demo.main import run
 
-    return run_demo(config=args.config, pages=args.pages)
+    return run(args)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -154,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--info-file", help="write the router's info JSON (url) here once up")
     p.set_defaults(func=cmd_router)
 
-    p = sub.add_parser("demo", help="start a runner, tail its events and run the self-check")
-    p.add_argument("--config", default=None)
-    p.add_argument("--pages", type=int, default=64)
+    p = sub.add_parser("demo", help="router + N workers + workload on this machine, checked by an oracle")
+    from .demo.main import add_arguments as demo_arguments
+
+    demo_arguments(p)
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-# UCX on one host, as ucx-notes recommend for tests: shared memory plus TCP on loopback, error
-# handling on, large TCP segments, no warnings about variables another UCX build does not know.
-for _k, _v in {"UCX_TLS": "sm,tcp", "UCX_NET_DEVICES": "lo", "UCX_POSIX_ERROR_HANDLING": "y",
-               "UCX_SYSV_ERROR_HANDLING": "y", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k",
-               "UCX_WARN_UNUSED_ENV_VARS": "n"}.items():
+from kvcr.drivers.ucx_env import SINGLE_HOST_UCX_ENV
+
+# UCX on one host, as ucx-notes recommend for tests (set before any child process starts).
+for _k, _v in SINGLE_HOST_UCX_ENV.items():
     os.environ.setdefault(_k, _v)
 
 ROOT = Path(__file__).resolve().parent.parent

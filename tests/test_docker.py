@@ -6,6 +6,7 @@ schema, so no network) validates the compose files, and PyYAML reads them for th
 A missing tool fails the test, naming the package to install.
 """
 
+import argparse
 import re
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcr.config import load_config
+from kvcr.config import load_config, parse_size
+from kvcr.demo.main import add_arguments as demo_arguments
 
 try:
     import yaml
@@ -27,8 +29,6 @@ DOCKERFILES = ["Dockerfile.cpu", "Dockerfile.gpu"]
 COMPOSE_FILES = ["compose.cpu.yaml", "compose.gpu.yaml"]
 # Services that run no kvcr runner, hence hold no DRAM pool; every other service must size for one.
 NO_DRAM_POOL = {"router", "prometheus", "dynamo-indexer"}
-# Config files an image carries itself (Dockerfile.cpu copies examples/runner.toml).
-BAKED_IN = {"/etc/kvcr/runner.toml": ROOT / "examples" / "runner.toml"}
 
 
 def tool(name: str, package: str) -> Path:
@@ -84,10 +84,21 @@ def runner_config(compose_name: str, service: dict) -> Path:
     """The kvcr runner config a service starts with: the file its command names, mounted or baked in."""
     command = " ".join(service.get("command", []))
     mounted = {target: (DOCKER / source).resolve() for source, target in mounts(service) if is_host_path(source)}
-    for target, source in {**BAKED_IN, **mounted}.items():
+    for target, source in mounted.items():
         if target in command:
             return source
     pytest.fail(f"{compose_name}: cannot tell which runner config {command!r} uses")
+
+
+def dram_bytes(compose_name: str, service: dict) -> int:
+    """DRAM the service's pools take: `kvcr demo` runs --workers pools of --dram each."""
+    command = service.get("command", [])
+    if command[:1] == ["demo"]:
+        parser = argparse.ArgumentParser()
+        demo_arguments(parser)
+        args = parser.parse_args(command[1:])
+        return args.workers * parse_size("--dram", args.dram)
+    return load_config(runner_config(compose_name, service)).dram.size
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -122,7 +133,7 @@ def test_compose_file_follows_the_compose_spec(name):
 def test_dram_pool_services_get_shm_and_memlock(compose_name, service_name):
     service = load_compose(compose_name)["services"][service_name]
     assert "shm_size" in service, f"{compose_name}: {service_name} keeps Docker's 64 MB /dev/shm"
-    dram = load_config(runner_config(compose_name, service)).dram.size
+    dram = dram_bytes(compose_name, service)
     assert compose_bytes(service["shm_size"]) > dram, \
         f"{compose_name}: {service_name} shm_size {service['shm_size']} does not hold dram.size = {dram} bytes"
     memlock = service.get("ulimits", {}).get("memlock")

@@ -3,6 +3,7 @@ the rest, store the new pages in the runner (which announces them), then decode 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -13,10 +14,12 @@ import torch
 from ..proto.announce import announce_request
 from ..proto.hints import FetchHint
 from ..proto.keys import U64_MASK, page_hashes
+from ..proto.pool import PoolError
 from ..runner import TIER_DRAM, TIER_NVME, Runner
 from .model import KV, TinyLM, pack_pages, unpack_pages
 
 POOL = "kv"
+log = logging.getLogger(__name__)
 ORACLE_TOLERANCE = 1e-4  # max |logit difference| allowed between chunked and one-shot fp32 prefill
 
 
@@ -61,7 +64,7 @@ class EngineStats:
     saved_s: float = 0.0
     oracle_checks: int = 0
     oracle_mismatches: int = 0
-    hint_errors: int = 0
+    store_failures: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, info: PrefillInfo) -> None:
@@ -147,12 +150,21 @@ class Engine:
         return logits, kv, info
 
     def _store(self, tokens: list[int], kv: KV, keys: list[str], first: int, full: int) -> int:
+        """Back up the new pages (at most half the pool per request); a full pool costs the backup,
+        never the request."""
+        full = min(full, first + max(1, self.runner.pools[POOL].capacity // 2))
         if first >= full:
             return 0
         packed = pack_pages(kv, first, full - first, self.page_size)
         pages = [memoryview(packed[i].numpy()).cast("B") for i in range(full - first)]
         announces = announce_request(tokens, self.page_size, first_page=first, num_pages=full - first)
-        return self.runner.put(POOL, keys[first:full], pages, announces)
+        try:
+            return self.runner.put(POOL, keys[first:full], pages, announces)
+        except PoolError as exc:
+            log.warning("pages not stored: %s", exc)
+            with self.stats.lock:
+                self.stats.store_failures += 1
+            return 0
 
     def _oracle(self, tokens: list[int], served: torch.Tensor) -> Oracle:
         cold, _ = self.model.prefill(tokens, self.page_size)

@@ -56,8 +56,10 @@ def final_body(s: Served, text: str, output_ids: list[int], finish: str) -> dict
     if s.route == "generate":
         return {"text": text, "output_ids": output_ids, "meta_info": meta_info(s, len(output_ids), finish)}
     ident, obj = _object(s, chunk=False)
+    # `kvcr` is an extension field (clients ignore unknown keys): where the prompt's pages came from.
     return {"id": ident, "object": obj, "created": s.created, "model": s.model,
-            "choices": [_choice(s, text, finish, delta=False)], "usage": usage(s, len(output_ids))}
+            "choices": [_choice(s, text, finish, delta=False)], "usage": usage(s, len(output_ids)),
+            "kvcr": meta_info(s, len(output_ids), finish)["kvcr"]}
 
 
 def stream_chunk(s: Served, text: str, delta: str, output_ids: list[int], finish: str | None) -> dict:

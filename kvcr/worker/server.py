@@ -24,7 +24,7 @@ from ..metrics import RunnerCollector
 from ..proto.hints import FetchHint, HintError, extract_request_hint, parse_envelope
 from ..service import Service
 from . import responses as r
-from .engine import Engine
+from .engine import POOL, Engine
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,21 @@ class Worker:
         return app
 
     def info(self) -> dict:
-        page = self.engine.page_size
-        return {"model": self.model_name, "page_size": page, "kvcr_runner": self.service.info(),
-                "stats": self.engine.stats.as_dict(), "inflight": self.inflight,
+        return {"model": self.model_name, "page_size": self.engine.page_size, "kvcr_runner": self.service.info(),
+                "stats": self.engine.stats.as_dict(), "inflight": self.inflight, "tiers": self.tiers(),
                 "model_config": asdict(self.engine.model.cfg)}
+
+    def tiers(self) -> dict:
+        """Pages held per tier and the runner's own counters (for the demo's live view)."""
+        runner = self.service.runner
+        with runner.lock:
+            pool = runner.pools[POOL].statistics()
+            disk = runner.disks[POOL].index.statistics() if POOL in runner.disks else None
+            pulled, spilled, promoted = runner.num_pulled, runner.num_spilled, runner.num_promoted
+        return {"dram_pages": pool.num_ready, "dram_capacity": pool.capacity,
+                "nvme_pages": disk.num_pages if disk is not None else 0, "page_bytes": pool.page_bytes,
+                "pulled_pages": pulled, "spilled_pages": spilled, "promoted_pages": promoted,
+                "events": self.service.publisher.num_events}
 
     async def health(self, request: web.Request) -> web.Response:
         problems = self.service.health()

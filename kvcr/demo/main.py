@@ -1,0 +1,215 @@
+"""`kvcr demo`: start a router and N workers on loopback, drive the workload, check every answer
+served from cached KV against the oracle, then write summary.json and chart.png."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..drivers.shm import sweep_stale
+from ..drivers.ucx_env import SINGLE_HOST_UCX_ENV
+from .driver import Driver
+from .httpc import get_json
+from .procs import Child, stop_all
+from .workload import build
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (at least 2)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--transport", default="get", choices=("get", "tag", "shm", "auto"),
+                   help="peer pulls: UCX RMA get, UCX tagged send, or a same-host shared-memory copy")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--dram", default="8Mi", help="DRAM pool per worker (small, so NVMe is used too)")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default="kvcr-demo", help="where summary.json, chart.png and logs go")
+    p.add_argument("--hold", action="store_true", help="keep everything running for inspection until Ctrl-C")
+    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live table")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, run_dir: Path, tmp: Path) -> None:
+        self.args = args
+        self.run_dir = run_dir
+        self.tmp = tmp
+        self.env = {**SINGLE_HOST_UCX_ENV, **os.environ}
+        self.children: list[Child] = []
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+
+    def start(self) -> None:
+        a, logs = self.args, self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        _say(f"[1/4] starting {a.workers} workers (torch model {a.layers}x{a.hidden}, runner with DRAM {a.dram} "
+             f"+ NVMe in {self.tmp}, UCX peer server)")
+        for i in range(a.workers):
+            name, base = f"w{i}", self.tmp / f"w{i}"
+            self.workers.append(Child(logs, name, [
+                "worker", "--name", name, "--port", "0", "--page-size", str(a.page_size), "--layers", str(a.layers),
+                "--hidden", str(a.hidden), "--seed", str(a.seed), "--set", f"runner.state_dir={base / 'state'}",
+                "--set", f"nvme.storage_dir={base / 'nvme'}", "--set", f"dram.size={a.dram}",
+                # spill to NVMe before DRAM is full, so evicted pages stay servable
+                "--set", "dram.high_watermark=0.85", "--set", "dram.low_watermark=0.7",
+                "--set", f"runner.transfer={a.transport}"], self.env).start())
+        self.children += self.workers
+        for w in self.workers:
+            w.wait_ready()
+        cfg = {"router": {"port": 0, "block_size": a.page_size},
+               "workers": [{"name": w.name, "url": w.url} for w in self.workers]}
+        (self.tmp / "router.json").write_text(json.dumps(cfg))
+        _say("[2/4] starting the router (subscribes to every runner's event stream)")
+        self.router = Child(logs, "router", ["router", "--config", str(self.tmp / "router.json")], self.env).start()
+        self.children.append(self.router)
+        self.router.wait_ready()
+        _say(f"      router {self.router.url}  (/metrics, /debug/index)")
+        for w in self.workers:
+            ep = w.info["kvcr_runner"]["endpoints"]
+            _say(f"      {w.name} {w.url}/metrics  runner control {ep['control']}  events {ep['events']}")
+
+    def snapshot(self) -> dict[str, dict]:
+        return {w.name: get_json(w.url + "/server_info") for w in self.workers}
+
+    def drive(self) -> tuple[list, float]:
+        a = self.args
+        convs, phases = build(a.seed, a.conversations, a.turns)
+        total = sum(len(p.steps) for p in phases)
+        driver = Driver(self.router.url, [w.name for w in self.workers], convs, max_tokens=a.max_tokens,
+                        concurrency=a.workers)
+        _say(f"[3/4] workload: {a.conversations} conversations x {a.turns} turns in phases "
+             f"{', '.join(p.name for p in phases)} ({total} requests)")
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                driver.run(phases)
+            except BaseException as exc:  # reported by the main thread
+                failure.append(exc)
+
+        start = time.monotonic()
+        thread = threading.Thread(target=work, name="kvcr-demo-driver", daemon=True)
+        thread.start()
+        _watch(self, driver, thread, total)
+        if failure:
+            raise failure[0]
+        return driver.outcomes, time.monotonic() - start
+
+
+def _watch(demo: Demo, driver: Driver, thread: threading.Thread, total: int) -> None:
+    """The live view (rich) while the driver runs; plain lines when not on a terminal."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from .report import live_table, oracle_summary
+
+    console = Console(stderr=True)
+    live = demo.args.no_live is False and console.is_terminal
+    last_events: dict[str, tuple[float, int]] = {}
+    rates: dict[str, float] = {}
+    last_phase = None
+
+    def frame():
+        infos = demo.snapshot()
+        now = time.monotonic()
+        for name, info in infos.items():
+            t0, e0 = last_events.get(name, (now, info["tiers"]["events"]))
+            rates[name] = (info["tiers"]["events"] - e0) / (now - t0) if now > t0 else 0.0
+            last_events[name] = (now, info["tiers"]["events"])
+        return live_table(driver.phase, len(driver.outcomes), total, infos, rates, oracle_summary(driver.outcomes))
+
+    if live:
+        with Live(frame(), console=console, refresh_per_second=4) as view:
+            while thread.is_alive():
+                thread.join(0.5)
+                view.update(frame())
+        return
+    while thread.is_alive():
+        thread.join(2.0)
+        if driver.phase != last_phase or not thread.is_alive():
+            last_phase = driver.phase
+            _say(f"      phase {driver.phase}: {len(driver.outcomes)}/{total} requests done")
+
+
+def _verdict(summary: dict) -> list[str]:
+    problems = [f"request failed: {e}" for e in summary["errors"]]
+    if summary["oracle"]["mismatches"]:
+        problems.append(f"ORACLE MISMATCH: {summary['oracle']['mismatches']} answers served from cached KV differ "
+                        "from a local recomputation")
+    if summary["peer_hits"] == 0:
+        problems.append("no page was pulled from a peer")
+    return problems
+
+
+def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
+    from rich.console import Console
+
+    from .report import chart, summarize, summary_table
+
+    a = demo.args
+    options = {k: v for k, v in vars(a).items() if k != "func"}
+    summary = summarize(outcomes, demo.snapshot(), page_size=a.page_size, elapsed_s=elapsed, options=options)
+    problems = _verdict(summary)
+    summary["ok"] = not problems
+    summary["problems"] = problems
+    (demo.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    chart(summary, demo.run_dir / "chart.png")
+    console = Console(stderr=True)
+    console.print(summary_table(summary))
+    o = summary["oracle"]
+    _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
+         f"{o['chunked_bitwise_equal']} bitwise equal to a local run, max |Δ| vs one-shot prefill "
+         f"{o['max_abs_vs_one_shot']:.2e} (limit 1e-4)")
+    _say(f"      wrote {demo.run_dir / 'summary.json'} and {demo.run_dir / 'chart.png'}")
+    for p in problems:
+        _say(f"demo FAILED: {p}")
+    if not problems:
+        _say("demo OK")
+    return 0 if not problems else 1
+
+
+def _hold(demo: Demo) -> None:
+    w = demo.workers[0].info["kvcr_runner"]["endpoints"]
+    _say("holding (Ctrl-C to stop). Try:\n"
+         f"  kvcr info {w['control']}\n"
+         f"  kvcr events tail --endpoint {w['events']} --replay {w['replay']} --snapshot {w['control']}\n"
+         f"  curl -s {demo.router.url}/metrics | grep kvcr_router")
+    while True:
+        time.sleep(3600)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "chart.png"):
+        (run_dir / stale).unlink(missing_ok=True)
+    # SIGTERM takes the same way out as Ctrl-C: every child is stopped, the temp dir removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with tempfile.TemporaryDirectory(prefix="kvcr-demo-") as tmp:
+        demo = Demo(args, run_dir, Path(tmp))
+        rc = None
+        try:
+            demo.start()
+            rc = _finish(demo, *demo.drive())
+            if args.hold:
+                _hold(demo)
+            return rc
+        except KeyboardInterrupt:  # after --hold, Ctrl-C is the normal way out: the verdict stands
+            _say("stopping workers and router")
+            return 130 if rc is None else rc
+        finally:
+            stop_all(demo.children)
+            sweep_stale()  # regions of a child that had to be killed
