@@ -14,7 +14,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .config import Config
 from .drivers.nvme import DiskTier
@@ -28,6 +28,9 @@ from .proto.hints import FetchHint
 from .proto.keys import Namespace, storage_key
 from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_stored
 from .proto.relay import RelayStep
+
+if TYPE_CHECKING:
+    from .peer import Confirmation
 
 
 class UnknownPool(PoolError):
@@ -290,17 +293,24 @@ class Runner:
         if have == len(keys) or self.puller is None:
             return have
         conf = self.puller.confirm(endpoint, pool, page_hexes[have:])
-        if conf is None:
-            return have
+        if conf is not None:
+            self.take_confirmed(conf, page_hexes[have:], move=move)
+        with self.lock:
+            return self.pool(pool).leading_ready(keys)
+
+    def take_confirmed(self, conf: Confirmation, page_hexes: Sequence[str], *, move: bool = False) -> int:
+        """Pull the pages a source confirmed (claimed for us) for `page_hexes` into fresh DRAM slots
+        and commit them; the claim is released on every path. Returns the leading pages delivered."""
+        keys = [self.key(conf.pool, h) for h in page_hexes[:conf.num_pages]]
         try:
-            fill = self.reserve(pool, keys[have:have + conf.num_pages], conf.announces(), lease_s=math.inf)
+            fill = self.reserve(conf.pool, keys, conf.announces(), lease_s=math.inf)
         except (PoolError, EventError):  # no room, or a source sent announces we cannot use
             self.puller.release(conf)
-            return have
+            return 0
         slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
         result = None
         try:
-            result = self.puller.deliver(conf, [self.region_address + self.offset(pool, p.slot) for p in slots],
+            result = self.puller.deliver(conf, [self.region_address + self.offset(conf.pool, p.slot) for p in slots],
                                          move=move)
         finally:
             if result is None or result.uncertain:
@@ -313,8 +323,7 @@ class Runner:
                 committed = self.commit(fill.fill_id, ok)
                 with self.lock:
                     self.num_pulled += committed
-        with self.lock:
-            return self.pool(pool).leading_ready(keys)
+        return result.delivered if result is not None and not result.uncertain else 0
 
     def spill(self, pool: str) -> int:
         """Evict DRAM down to the low watermark, writing pages NVMe lacks to NVMe first."""
@@ -428,6 +437,15 @@ class Runner:
         if pool in self.disks:
             n += self.disks[pool].remove([k[:64] for k in keys])
         return n
+
+    def clear(self, pool: str) -> int:
+        """Drop every page of `pool` from DRAM and NVMe (SGLang's /flush_cache). Returns pages removed."""
+        with self.lock:
+            keys = [p.key for p in self.pool(pool).ready_pages()]
+            disk = self.disks.get(pool)
+            on_disk = [e.name[:64] for e in disk.index.entries()] if disk is not None else []
+        n = self.remove(pool, keys)
+        return n + (disk.remove(on_disk) if disk is not None else 0)
 
     def inventory(self) -> list[Event]:
         """The whole announced inventory as BlockStored events (call under the lock)."""

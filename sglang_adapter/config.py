@@ -1,0 +1,56 @@
+"""The backend's extra-config (the JSON after `--hicache-storage-backend-extra-config`): strict,
+and an error names the key. Pure: no SGLang import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Keys the dynamic loader reads; the backend accepts and ignores them.
+LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+
+
+class AdapterConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterConfig:
+    # Embedded runner (TP = 1): its config file and dotted overrides, as for `kvcr serve`.
+    runner_config: str = ""
+    runner: dict = field(default_factory=dict)
+    # Hints: from extra_info (`kv_hints`), or posted to the runner by the router (keyed by block hash).
+    use_request_hints: bool = True
+    use_posted_hints: bool = True
+    # A source's claim made in batch_exists lives this long if batch_get never comes (SGLang's
+    # prefetch can end without telling the backend). Default: a 15 s prefetch budget + 1 s.
+    claim_lease_s: float = 16.0
+    pull_timeout_s: float = 10.0
+    # Model identity for the namespace when SGLang names none.
+    model: str = ""
+
+
+_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
+          "claim_lease_s": float, "pull_timeout_s": float, "model": str}
+
+
+def _check(key: str, value: Any, tp: type) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+        raise AdapterConfigError(f"kvcr extra-config {key!r} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def parse_adapter_config(extra: dict | None) -> AdapterConfig:
+    extra = dict(extra or {})
+    known = {f.name for f in fields(AdapterConfig)}
+    for key in extra:
+        if key not in known and key not in LOADER_KEYS:
+            raise AdapterConfigError(f"kvcr extra-config has an unknown key {key!r} (known: "
+                                     f"{', '.join(sorted(known | LOADER_KEYS))})")
+    values = {k: _check(k, v, _TYPES[k]) for k, v in extra.items() if k in known}
+    for key in ("claim_lease_s", "pull_timeout_s"):
+        if key in values and values[key] <= 0:
+            raise AdapterConfigError(f"kvcr extra-config {key!r} must be > 0, got {values[key]}")
+    return AdapterConfig(**values)

@@ -1,0 +1,294 @@
+"""`KVCRStorage`: SGLang's HiCache L3 backend on a kvcr runner (hosted in-process, TP = 1).
+
+Exact lookups: `batch_exists` counts the local leading pages, then, when a hint names a peer for
+the rest, claims them there; the count it returns is what `batch_get_v1` delivers. A claim SGLang
+never collects (its prefetch ended silently) is released by its lease at the source.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvcr.config import load_config
+from kvcr.peer import Confirmation, PeerError
+from kvcr.proto.announce import Announce
+from kvcr.proto.hints import HintError, parse_envelope
+from kvcr.proto.keys import U64_MASK, hash_str_to_int64
+from kvcr.proto.pool import Page, PoolError
+from kvcr.runner import TIER_ABSENT
+from kvcr.service import Service
+
+from .config import parse_adapter_config
+from .layout import PageLayout, gather, scatter
+
+log = logging.getLogger(__name__)
+POOL = "kv"
+
+
+@dataclass
+class _Pending:
+    """Pages a source confirmed (and claimed) in batch_exists, waiting for batch_get."""
+
+    conf: Confirmation
+    page_hexes: list[str]
+    since: float
+
+
+@dataclass
+class _Stats:
+    prefetch_pages: int = 0
+    backup_pages: int = 0
+    peer_pages: int = 0
+    prefetch_seconds: float = 0.0
+    backup_seconds: float = 0.0
+
+
+class KVCRStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        extra = storage_config.extra_config or {}
+        self.cfg = parse_adapter_config(extra)  # AdapterConfigError names a bad key
+        self.storage_config = storage_config
+        self.interface_v1 = bool(extra.get("interface_v1"))
+        if storage_config.should_split_heads:
+            raise ValueError("kvcr: page_head split (heterogeneous TP) is not supported")
+        if storage_config.tp_size > 1 or storage_config.pp_size > 1:
+            raise ValueError(f"kvcr: tp_size {storage_config.tp_size} / pp_size {storage_config.pp_size}: the "
+                             "in-process runner serves TP = PP = 1; larger deployments need the per-worker sidecar "
+                             "runner, which this release does not ship")
+        self.service: Service | None = None
+        self.layout: PageLayout | None = None
+        self.mem_pool_host = None
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self.stats = _Stats()
+        self.num_claims_expired = 0
+
+    # --- attach ------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.layout = PageLayout.of(mem_pool_host)
+        if self.service is None:
+            self.service = Service(self._runner_config()).start()
+
+    def _runner_config(self):
+        sc, layout = self.storage_config, self.layout
+        model = sc.model_name or self.cfg.model or "default"
+        forced = {"runner.block_size": layout.page_size, "runner.dp_rank": sc.dp_rank,
+                  "runner.pull_timeout_s": self.cfg.pull_timeout_s, "namespace.model": model,
+                  "namespace.is_mla": sc.is_mla_model, "namespace.dtype": layout.dtype,
+                  # v1 pages are the segments in host-layout order; legacy pages are flat tensors
+                  "namespace.layout": layout.layout if self.interface_v1 else f"flat-{layout.layout}",
+                  "dram.pools": [{"name": POOL, "page_bytes": layout.page_bytes}]}
+        defaults = {"runner.name": f"sglang-dp{sc.dp_rank}", "runner.peers": ["*"]}
+        return load_config(self.cfg.runner_config or None, {**defaults, **self.cfg.runner, **forced})
+
+    @property
+    def runner(self):
+        return self.service.runner
+
+    # --- lookups -----------------------------------------------------------------------------
+
+    def _keys(self, keys: list[str]) -> list[str]:
+        return [self.runner.key(POOL, k) for k in keys]
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        self._expire_pending()
+        tiers = self.runner.tiers(POOL, self._keys(keys))
+        local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
+        if local == len(keys) or self.runner.puller is None:
+            return local
+        with self._lock:
+            held = self._pending.get(keys[local])
+        if held is not None and held.page_hexes == keys[local:local + len(held.page_hexes)]:
+            return local + len(held.page_hexes)
+        source = self._source(keys, local, extra_info)
+        if source is None:
+            return local
+        endpoint, depth = source
+        try:
+            conf = self.runner.puller.confirm(endpoint, POOL, keys[local:local + depth])
+        except PeerError as exc:  # a namespace mismatch: that peer's pages are not ours to load
+            log.warning("kvcr: %s", exc)
+            return local
+        if conf is None:
+            return local
+        with self._lock:
+            stale = self._pending.pop(keys[local], None)
+            self._pending[keys[local]] = _Pending(conf, keys[local:local + conf.num_pages], time.monotonic())
+        if stale is not None:
+            self.runner.puller.release(stale.conf, wait=False)
+        return local + conf.num_pages
+
+    def _source(self, keys: list[str], local: int, extra_info) -> tuple[str, int] | None:
+        """(endpoint, pages from `local`) a hint names: the request's own, else one the router posted."""
+        events = [hash_str_to_int64(k) & U64_MASK for k in keys[local:]]
+        raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
+        if raw is not None and self.cfg.use_request_hints:
+            try:
+                hint = parse_envelope(raw)
+            except HintError as exc:
+                log.warning("kvcr: request hint ignored: %s", exc)
+            else:
+                held = set(hint.block_hashes)
+                depth = next((i for i, h in enumerate(events) if h not in held), len(events))
+                if depth:
+                    return hint.source_control_endpoint, depth
+        if self.cfg.use_posted_hints:
+            posted = self.runner.hinted_source(events)
+            if posted is not None:
+                return posted.endpoint, posted.num_pages
+        return None
+
+    def _expire_pending(self) -> None:
+        """Give back claims SGLang never collected (a prefetch that ended or was revoked)."""
+        now = time.monotonic()
+        with self._lock:
+            old = [k for k, p in self._pending.items() if now - p.since > self.cfg.claim_lease_s]
+            gone = [self._pending.pop(k) for k in old]
+        for p in gone:
+            self.runner.puller.release(p.conf, wait=False)
+        self.num_claims_expired += len(gone)
+
+    def _take_pending(self, keys: list[str]) -> None:
+        """Pull what batch_exists confirmed for these keys into the runner (the claim ends here)."""
+        with self._lock:
+            taken = [self._pending.pop(k) for k in keys if k in self._pending]
+        for p in taken:
+            got = self.runner.take_confirmed(p.conf, p.page_hexes)
+            self.stats.peer_pages += got
+
+    # --- zero-copy interface -------------------------------------------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        start = time.perf_counter()
+        segments = self.layout.page_segments(self.mem_pool_host, host_indices)
+        self._take_pending(keys)
+        sizes, runner = self.layout.segment_bytes, self.runner
+        base = runner.region_address
+        with runner.pinned(POOL, self._keys(keys)) as pages:  # the leading present pages
+            for page, segs in zip(pages, segments):
+                scatter(base + runner.offset(POOL, page.slot), segs, sizes)
+            n = len(pages)
+        self._count("prefetch", n, start)
+        return [i < n for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        start = time.perf_counter()
+        segments = self.layout.page_segments(self.mem_pool_host, host_indices)
+        sizes, runner = self.layout.segment_bytes, self.runner
+        try:
+            fill = runner.reserve(POOL, self._keys(keys), self._announces(keys, extra_info), lease_s=math.inf)
+        except PoolError as exc:
+            log.warning("kvcr: backup of %d pages refused: %s", len(keys), exc)
+            return [False] * len(keys)
+        ok = True
+        try:
+            for page, segs in zip(fill.pages, segments):
+                if isinstance(page, Page):  # a present (or in-flight) key needs no copy: success
+                    gather(segs, sizes, runner.region_address + runner.offset(POOL, page.slot))
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            runner.commit(fill.fill_id, None if ok else [False] * len(keys))
+        self._count("backup", len(keys), start)
+        return [True] * len(keys)
+
+    def _announces(self, keys: list[str], extra_info) -> list[Announce | None] | None:
+        """Announces need the pages' tokens: SGLang 0.5.23 passes none unless the launcher's backup
+        hook adds `token_ids` (the call's pages, in order). Without them pages are stored, not announced."""
+        info = (extra_info.extra_info or {}) if extra_info is not None else {}
+        tokens = info.get("token_ids")
+        p = self.layout.page_size
+        if not tokens or len(tokens) != len(keys) * p:
+            return None
+        prefix = (extra_info.prefix_keys or []) if extra_info is not None else []
+        parent = hash_str_to_int64(prefix[-1]) if prefix else None
+        out = []
+        for i, key in enumerate(keys):
+            h = hash_str_to_int64(key)
+            out.append(Announce(event_hash=h, parent_hash=parent, token_ids=tuple(tokens[i * p:(i + 1) * p])))
+            parent = h
+        return out
+
+    def _count(self, kind: str, pages: int, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        if kind == "prefetch":
+            self.stats.prefetch_pages += pages
+            self.stats.prefetch_seconds += elapsed
+        else:
+            self.stats.backup_pages += pages
+            self.stats.backup_seconds += elapsed
+
+    # --- byte-copy interface (no interface_v1) -----------------------------------------------
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        self._take_pending(list(keys))
+        runner = self.runner
+        out: list = [None] * len(keys)
+        with runner.pinned(POOL, self._keys(list(keys))) as pages:
+            for i, page in enumerate(pages):
+                src = runner.slot_view(POOL, page)
+                target = target_locations[i] if target_locations is not None else \
+                    torch.empty(len(src), dtype=torch.uint8)
+                target.view(torch.uint8).reshape(-1).numpy()[:] = src
+                out[i] = target
+        return out
+
+    def get(self, key, target_location=None, target_sizes=None):
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        data = [v.contiguous().view(torch.uint8).reshape(-1).numpy() for v in values]
+        try:
+            self.runner.put(POOL, self._keys(list(keys)), data)
+        except PoolError as exc:
+            log.warning("kvcr: backup of %d pages refused: %s", len(keys), exc)
+            return False
+        return True
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # --- admin -------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        self.runner.clear(POOL)
+
+    def get_stats(self):
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        s, self.stats = self.stats, _Stats()
+        metrics = StorageMetrics()
+        metrics.prefetch_pgs.append(s.prefetch_pages)
+        metrics.backup_pgs.append(s.backup_pages)
+        page = self.layout.page_bytes / 2**30
+        metrics.prefetch_bandwidth.append(s.prefetch_pages * page / s.prefetch_seconds if s.prefetch_seconds else 0)
+        metrics.backup_bandwidth.append(s.backup_pages * page / s.backup_seconds if s.backup_seconds else 0)
+        return metrics
+
+    def claims_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        if self.service is not None:
+            for p in pending:
+                self.runner.puller.release(p.conf, wait=False)
+            self.service.stop()
+            self.service = None

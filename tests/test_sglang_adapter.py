@@ -1,0 +1,239 @@
+"""KVCRStorage against SGLang 0.5.23's real classes on the CPU: host pools (MHA and MLA, every
+layout), the `dynamic` factory, the controller's own backup / hit-query / transfer code, and two
+backends reusing each other's pages through hints."""
+
+import ctypes
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.sglang_pools import LAYOUTS, mha_pool, mla_pool  # installs the torchvision stub first
+
+# isort: split
+from sglang.srt.managers.cache_controller import (  # noqa: E402
+    HiCacheController,
+    PrefetchOperation,
+    StorageOperation,
+)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvcr.client import AttachedWriter, ControlClient  # noqa: E402
+from kvcr.drivers.shm import sweep_stale  # noqa: E402
+from kvcr.proto import messages as m  # noqa: E402
+from kvcr.proto.hints import build_envelope  # noqa: E402
+from kvcr.proto.keys import U64_MASK, hash_str_to_int64, page_hashes  # noqa: E402
+from sglang_adapter.config import AdapterConfigError  # noqa: E402
+from sglang_adapter.layout import PageLayout  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+
+PAGE = 4
+DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "class_name": "KVCRStorage",
+           "interface_v1": 1}
+
+
+def storage_config(mla: bool = False, layout: str = "page_first", **extra) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=layout == "page_first", model_name="test/model",
+                                extra_config={**DYNAMIC, "runner": {"dram.size": "4Mi"}, **extra})
+
+
+def make_backend(pool, mla: bool = False, **extra):
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(mla, pool.layout, **extra), pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+@pytest.fixture
+def backends():
+    made = []
+
+    def make(pool, mla: bool = False, **extra):
+        made.append(make_backend(pool, mla, **extra))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def fill(pool, indices: torch.Tensor, seed: int) -> None:
+    """Random bytes into the host pages `indices` covers."""
+    gen = torch.Generator().manual_seed(seed)
+    for ptrs, size in zip(*pool.get_page_buffer_meta(indices)):
+        buf = (torch.ByteTensor(size).random_(0, 256, generator=gen))
+        torch.frombuffer((ctypes.c_char * size).from_address(ptrs), dtype=torch.uint8)[:] = buf
+
+
+def page_bytes(pool, indices: torch.Tensor) -> list[bytes]:
+    return [ctypes.string_at(p, s) for p, s in zip(*pool.get_page_buffer_meta(indices))]
+
+
+def keys_for(n: int, seed: int = 0) -> list[str]:
+    return page_hashes([seed * 1000 + i for i in range(n * PAGE)], PAGE)
+
+
+POOLS = [pytest.param(maker, layout, id=f"{maker.__name__}-{layout}") for maker in (mha_pool, mla_pool)
+         for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("maker, layout", POOLS)
+def test_pages_round_trip_through_the_runner_for_every_layout(backends, maker, layout):
+    pool = maker(layout, page=PAGE)
+    backend = backends(pool, mla=maker is mla_pool)
+    keys = keys_for(6)
+    src, dst = pool.alloc(6 * PAGE), pool.alloc(6 * PAGE)
+    fill(pool, src, seed=1)
+    assert backend.batch_set_v1(keys, src) == [True] * 6
+    assert backend.batch_set_v1(keys[:2], src[:2 * PAGE]) == [True, True]  # present keys count as stored
+    assert backend.batch_exists(keys + keys_for(2, seed=9)) == 6
+    assert backend.batch_get_v1(keys, dst) == [True] * 6
+    assert page_bytes(pool, dst) == page_bytes(pool, src)
+    assert backend.runner.pools["kv"].page_bytes == PageLayout.of(pool).page_bytes
+
+
+def no_claims_left(source) -> None:
+    """The release after a pull is sent without waiting for the answer: give it a moment."""
+    wait_until(lambda: source.runner.claims.statistics().num_claims == 0, 5, 0.02, "the source's claims released")
+
+
+def exists_with_hint(backend, keys, source_backend) -> int:
+    envelope = build_envelope(source_backend.service.control.bound_endpoint,
+                              [hash_str_to_int64(k) & U64_MASK for k in keys])
+    return backend.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"kv_hints": envelope}))
+
+
+@pytest.mark.parametrize("hint_path", ["request", "posted"])
+def test_a_second_backend_confirms_claims_and_loads_the_first_ones_pages(backends, hint_path):
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b)
+    keys = keys_for(8, seed=3)
+    src = pool_a.alloc(8 * PAGE)
+    fill(pool_a, src, seed=2)
+    assert a.batch_set_v1(keys, src) == [True] * 8
+    ask = keys + keys_for(3, seed=4)  # a longer request: only A's 8 pages can be confirmed
+    if hint_path == "request":
+        hit = exists_with_hint(b, ask, a)
+    else:  # the router posts the hint to B's runner; SGLang passes no hint to the backend
+        hashes = [hash_str_to_int64(k) & U64_MASK for k in keys]
+        with ControlClient(b.service.control.bound_endpoint) as client:
+            client.request(m.PostHint(envelope=build_envelope(a.service.control.bound_endpoint, hashes)))
+        hit = b.batch_exists(ask)
+    assert hit == 8
+    assert a.runner.claims.statistics().num_claims == 1  # confirmed means claimed at the source
+    dst = pool_b.alloc(8 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True] * 8
+    assert page_bytes(pool_b, dst) == page_bytes(pool_a, src)
+    assert b.claims_pending() == 0
+    no_claims_left(a)
+
+
+def test_a_claim_never_collected_is_given_back(backends):
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b, claim_lease_s=0.2)
+    keys = keys_for(4, seed=5)
+    a.batch_set_v1(keys, pool_a.alloc(4 * PAGE))
+    assert exists_with_hint(b, keys, a) == 4
+    time.sleep(0.3)  # SGLang's prefetch ended without a batch_get
+    b.batch_exists(keys_for(1, seed=6))
+    assert b.num_claims_expired == 1
+    no_claims_left(a)
+
+
+def test_a_peer_with_another_namespace_is_refused(backends):
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("layer_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b)
+    keys = keys_for(4, seed=7)
+    a.batch_set_v1(keys, pool_a.alloc(4 * PAGE))
+    assert exists_with_hint(b, keys, a) == 0  # layout differs: the claim is refused by name, nothing loads
+
+
+def controller(backend, pool) -> HiCacheController:
+    """The real controller's storage methods, without its threads or a GPU (reference recipe)."""
+    from queue import Queue
+    cc = object.__new__(HiCacheController)
+    cc.storage_backend, cc.page_size, cc.mem_pool_host = backend, pool.page_size, pool
+    cc.storage_host_pool = pool
+    cc.page_get_func, cc.page_set_func = cc._page_get_zero_copy, cc._page_set_zero_copy
+    cc.prefetch_sync_queue = Queue()
+    return cc
+
+
+def test_the_controller_backs_up_finds_and_transfers_through_the_backend(backends):
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b)
+    tokens = list(range(500, 500 + 10 * PAGE))
+    keys = page_hashes(tokens, PAGE)
+    src = pool_a.alloc(10 * PAGE)
+    fill(pool_a, src, seed=8)
+    ca, cb = controller(a, pool_a), controller(b, pool_b)
+    ca._page_backup(StorageOperation(src, tokens, hash_value=keys, prefix_keys=[]))
+    assert a.batch_exists(keys) == 10
+    # B: the router's hint is posted to its runner, then the controller's own hit query and transfer
+    with ControlClient(b.service.control.bound_endpoint) as client:
+        client.request(m.PostHint(envelope=build_envelope(a.service.control.bound_endpoint,
+                                                          [hash_str_to_int64(k) & U64_MASK for k in keys])))
+    op = PrefetchOperation("req-1", tokens, last_hash=None, prefix_keys=[])
+    hashes, hit_tokens = cb._storage_hit_query(op)
+    assert hashes == keys and hit_tokens == 10 * PAGE
+    op.hash_value, op.host_indices = hashes, pool_b.alloc(10 * PAGE)
+    assert cb._page_transfer(op) == 10  # pages; the ack carries the tokens the scheduler inserts
+    assert cb.prefetch_sync_queue.get_nowait().completed_tokens == 10 * PAGE
+    assert page_bytes(pool_b, op.host_indices) == page_bytes(pool_a, src)
+    no_claims_left(a)
+
+
+def test_a_peer_killed_mid_prefetch_leaves_only_the_delivered_prefix(backends, runner_factory):
+    pool_b = mha_pool("page_first", page=PAGE)
+    b = backends(pool_b)
+    layout = PageLayout.of(pool_b)
+    a = runner_factory("a", **{"dram.pools": [{"name": "kv", "page_bytes": layout.page_bytes}],
+                               "runner.block_size": PAGE, "namespace.model": "test/model",
+                               "namespace.layout": "page_first", "namespace.dtype": "bfloat16"})
+    info = a.start()
+    keys = keys_for(5, seed=11)
+    with ControlClient(info["endpoints"]["control"]) as client:
+        writer = AttachedWriter(client)
+        writer.put("kv", keys, [bytes([i]) * layout.page_bytes for i in range(5)])
+        writer.close()
+    envelope = build_envelope(info["endpoints"]["control"], [hash_str_to_int64(k) & U64_MASK for k in keys])
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"kv_hints": envelope})) == 5
+    a.stop(signal.SIGKILL)
+    cb = controller(b, pool_b)
+    op = PrefetchOperation("req-2", [0] * 5 * PAGE, prefix_keys=[])
+    op.hash_value, op.host_indices = keys, pool_b.alloc(5 * PAGE)
+    assert cb._page_transfer(op) == 0  # nothing arrived, so nothing counts
+    assert cb.prefetch_sync_queue.get_nowait().completed_tokens == 0
+    assert b.batch_exists(keys) == 0 and b.claims_pending() == 0  # no partial page became visible
+    a.proc.wait(5)
+    sweep_stale()  # the killed runner's region, as its restart would
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"claim_leese_s": 3}, "unknown key 'claim_leese_s'"),
+    ({"claim_lease_s": "3"}, "'claim_lease_s' must be float"),
+    ({"use_posted_hints": 1}, "'use_posted_hints' must be bool"),
+    ({"pull_timeout_s": 0}, "'pull_timeout_s' must be > 0"),
+])
+def test_a_bad_extra_config_is_refused_with_the_key_named(extra, problem):
+    pool = mha_pool("page_first", page=PAGE)
+    with pytest.raises(AdapterConfigError, match=problem):
+        StorageBackendFactory.create_backend("dynamic", storage_config(**extra), pool)
+
+
+def test_the_byte_copy_interface_and_clear(backends):
+    pool = mha_pool("page_first", page=PAGE)
+    backend = backends(pool, interface_v1=0)
+    keys = keys_for(3, seed=12)
+    flat = [torch.randint(0, 100, (PageLayout.of(pool).page_bytes // 2,), dtype=torch.int16).view(torch.bfloat16)
+            for _ in keys]
+    assert backend.batch_set(keys, flat)
+    out = backend.batch_get(keys, [torch.empty_like(f) for f in flat])
+    assert all(torch.equal(o.view(torch.int16), f.view(torch.int16)) for o, f in zip(out, flat))
+    assert backend.exists(keys[0])
+    backend.clear()
+    assert backend.batch_exists(keys) == 0 and backend.get(keys[0]) is None
