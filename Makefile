@@ -9,6 +9,11 @@ TORCH := torch==2.13.0
 SGLANG := sglang==0.5.23
 SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow triton==3.9.0 starlette msgspec \
 	pydantic tqdm ipython aiohttp
+# Host pools, the cache controller and the scheduler import these too (tests install a torchvision stub instead of
+# torchvision, whose wheels need CUDA); the last four go in without their heavy dependencies.
+SGLANG_POOL_DEPS := transformers==5.19.0 dill loguru setproctitle==1.3.8 openai==3.57.0 partial-json-parser==0.2.1.1.post7 \
+	einops==0.8.2 uvicorn==0.54.0 fastapi==0.165.0
+SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf
 
 .PHONY: demo test setup sglang-setup dynamo-setup bench clean
 
@@ -22,7 +27,8 @@ $(VENV)/.sglang: $(VENV)/.installed
 	$(PIP) install '$(TORCH)'
 	$(PIP) download --no-deps '$(SGLANG)' -d $(VENV)/wheels
 	$(PIP) install --no-deps $(VENV)/wheels/sglang-0.5.23-*.whl
-	$(PIP) install $(SGLANG_DEPS) '$(TORCH)'
+	$(PIP) install $(SGLANG_DEPS) $(SGLANG_POOL_DEPS) '$(TORCH)'
+	$(PIP) install --no-deps $(SGLANG_NODEPS)
 	touch $@
 
 # Dynamo's runtime pins its own pydantic, so its indexer lives in a separate environment.
@@ -38,8 +44,10 @@ dynamo-setup: $(DYNAMO_VENV)/.installed
 demo: setup
 	$(VENV)/bin/kvcr demo
 
+# SGLang builds its page-hash extension once (g++, ninja, OpenSSL headers); keep it with the venv.
 test: setup sglang-setup dynamo-setup
-	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python \
+		$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench: sglang-setup dynamo-setup
 	$(VENV)/bin/python bench/dram_pool.py

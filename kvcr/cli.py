@@ -109,6 +109,12 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_sglang(args: argparse.Namespace) -> int:
+    from sglang_adapter.launch_server import main as launch
+
+    return launch(args.sglang_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcr", description="Router-aware distributed KV-cache reuse")
     parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
@@ -153,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a router config key")
     p.add_argument("--info-file", help="write the router's info JSON (url) here once up")
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("sglang", help="launch SGLang with --hicache-storage-backend kvcr (and kvcr's hooks)",
+                       prefix_chars="\0")  # every argument is SGLang's
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_sglang)
 
     p = sub.add_parser("demo", help="router + N workers + workload on this machine, checked by an oracle")
     from .demo.main import add_arguments as demo_arguments

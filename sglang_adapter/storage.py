@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -25,11 +26,15 @@ from kvcr.proto.pool import Page, PoolError
 from kvcr.runner import TIER_ABSENT
 from kvcr.service import Service
 
+from . import hooks
 from .config import parse_adapter_config
 from .layout import PageLayout, gather, scatter
 
 log = logging.getLogger(__name__)
 POOL = "kv"
+
+if os.environ.get("KVCR_SGLANG_HOOKS") == "1":  # set by the launcher; this import runs in each scheduler
+    hooks.install()
 
 
 @dataclass
@@ -131,6 +136,7 @@ class KVCRStorage(HiCacheStorage):
         """(endpoint, pages from `local`) a hint names: the request's own, else one the router posted."""
         events = [hash_str_to_int64(k) & U64_MASK for k in keys[local:]]
         raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
+        raw = raw if raw is not None else hooks.current_hints()  # the launcher's request-hint hook
         if raw is not None and self.cfg.use_request_hints:
             try:
                 hint = parse_envelope(raw)
@@ -156,6 +162,13 @@ class KVCRStorage(HiCacheStorage):
         for p in gone:
             self.runner.puller.release(p.conf, wait=False)
         self.num_claims_expired += len(gone)
+
+    def prefetch_ended(self, keys: list[str]) -> None:
+        """The scheduler stopped a prefetch (launcher hook): give back what it will not collect."""
+        with self._lock:
+            ended = [self._pending.pop(k) for k in keys if k in self._pending]
+        for p in ended:
+            self.runner.puller.release(p.conf, wait=False)
 
     def _take_pending(self, keys: list[str]) -> None:
         """Pull what batch_exists confirmed for these keys into the runner (the claim ends here)."""
@@ -212,8 +225,9 @@ class KVCRStorage(HiCacheStorage):
         p = self.layout.page_size
         if not tokens or len(tokens) != len(keys) * p:
             return None
-        prefix = (extra_info.prefix_keys or []) if extra_info is not None else []
-        parent = hash_str_to_int64(prefix[-1]) if prefix else None
+        prefix = extra_info.prefix_keys or []
+        parent_key = info.get("parent_key", prefix[-1] if prefix else None)
+        parent = hash_str_to_int64(parent_key) if parent_key else None
         out = []
         for i, key in enumerate(keys):
             h = hash_str_to_int64(key)

@@ -122,3 +122,19 @@ def indexer(tmp_path_factory):
     """One Dynamo indexer for the whole session; each test registers its own model name."""
     from tests.dynamo import start_indexer
     yield from start_indexer(tmp_path_factory)
+
+
+@pytest.fixture
+def backends():
+    """KVCRStorage backends on real SGLang host pools, closed after the test."""
+    from tests.sglang_pools import make_backend
+
+    made = []
+
+    def make(pool, mla: bool = False, **extra):
+        made.append(make_backend(pool, mla, **extra))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()

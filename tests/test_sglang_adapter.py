@@ -2,22 +2,31 @@
 layout), the `dynamic` factory, the controller's own backup / hit-query / transfer code, and two
 backends reusing each other's pages through hints."""
 
-import ctypes
 import signal
 import time
 
 import pytest
 import torch
 
-from tests.sglang_pools import LAYOUTS, mha_pool, mla_pool  # installs the torchvision stub first
+from tests.sglang_pools import (  # installs the torchvision stub first
+    LAYOUTS,
+    PAGE,
+    controller,
+    fill,
+    keys_for,
+    mha_pool,
+    mla_pool,
+    no_claims_left,
+    page_bytes,
+    storage_config,
+)
 
 # isort: split
 from sglang.srt.managers.cache_controller import (  # noqa: E402
-    HiCacheController,
     PrefetchOperation,
     StorageOperation,
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvcr.client import AttachedWriter, ControlClient  # noqa: E402
@@ -27,55 +36,6 @@ from kvcr.proto.hints import build_envelope  # noqa: E402
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64, page_hashes  # noqa: E402
 from sglang_adapter.config import AdapterConfigError  # noqa: E402
 from sglang_adapter.layout import PageLayout  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
-
-PAGE = 4
-DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "class_name": "KVCRStorage",
-           "interface_v1": 1}
-
-
-def storage_config(mla: bool = False, layout: str = "page_first", **extra) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=mla, enable_storage_metrics=False,
-                                is_page_first_layout=layout == "page_first", model_name="test/model",
-                                extra_config={**DYNAMIC, "runner": {"dram.size": "4Mi"}, **extra})
-
-
-def make_backend(pool, mla: bool = False, **extra):
-    backend = StorageBackendFactory.create_backend("dynamic", storage_config(mla, pool.layout, **extra), pool)
-    backend.register_mem_pool_host(pool)
-    backend.on_host_pools_registered()
-    return backend
-
-
-@pytest.fixture
-def backends():
-    made = []
-
-    def make(pool, mla: bool = False, **extra):
-        made.append(make_backend(pool, mla, **extra))
-        return made[-1]
-
-    yield make
-    for b in made:
-        b.close()
-
-
-def fill(pool, indices: torch.Tensor, seed: int) -> None:
-    """Random bytes into the host pages `indices` covers."""
-    gen = torch.Generator().manual_seed(seed)
-    for ptrs, size in zip(*pool.get_page_buffer_meta(indices)):
-        buf = (torch.ByteTensor(size).random_(0, 256, generator=gen))
-        torch.frombuffer((ctypes.c_char * size).from_address(ptrs), dtype=torch.uint8)[:] = buf
-
-
-def page_bytes(pool, indices: torch.Tensor) -> list[bytes]:
-    return [ctypes.string_at(p, s) for p, s in zip(*pool.get_page_buffer_meta(indices))]
-
-
-def keys_for(n: int, seed: int = 0) -> list[str]:
-    return page_hashes([seed * 1000 + i for i in range(n * PAGE)], PAGE)
-
 
 POOLS = [pytest.param(maker, layout, id=f"{maker.__name__}-{layout}") for maker in (mha_pool, mla_pool)
          for layout in LAYOUTS]
@@ -94,11 +54,6 @@ def test_pages_round_trip_through_the_runner_for_every_layout(backends, maker, l
     assert backend.batch_get_v1(keys, dst) == [True] * 6
     assert page_bytes(pool, dst) == page_bytes(pool, src)
     assert backend.runner.pools["kv"].page_bytes == PageLayout.of(pool).page_bytes
-
-
-def no_claims_left(source) -> None:
-    """The release after a pull is sent without waiting for the answer: give it a moment."""
-    wait_until(lambda: source.runner.claims.statistics().num_claims == 0, 5, 0.02, "the source's claims released")
 
 
 def exists_with_hint(backend, keys, source_backend) -> int:
@@ -150,17 +105,6 @@ def test_a_peer_with_another_namespace_is_refused(backends):
     keys = keys_for(4, seed=7)
     a.batch_set_v1(keys, pool_a.alloc(4 * PAGE))
     assert exists_with_hint(b, keys, a) == 0  # layout differs: the claim is refused by name, nothing loads
-
-
-def controller(backend, pool) -> HiCacheController:
-    """The real controller's storage methods, without its threads or a GPU (reference recipe)."""
-    from queue import Queue
-    cc = object.__new__(HiCacheController)
-    cc.storage_backend, cc.page_size, cc.mem_pool_host = backend, pool.page_size, pool
-    cc.storage_host_pool = pool
-    cc.page_get_func, cc.page_set_func = cc._page_get_zero_copy, cc._page_set_zero_copy
-    cc.prefetch_sync_queue = Queue()
-    return cc
 
 
 def test_the_controller_backs_up_finds_and_transfers_through_the_backend(backends):

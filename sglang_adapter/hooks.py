@@ -1,0 +1,166 @@
+"""Three small hooks into SGLang 0.5.23 that stock SGLang lacks, installed by the launcher
+(`python -m sglang_adapter.launch_server`) in every scheduler process:
+
+1. request hints: a request's `kv_hints` reach the storage calls made for it (`extra_info`);
+2. tokens on backup: `batch_set_v1` gets the pages' token ids (and parent key), so stored pages
+   are announced to routers;
+3. prefetch ended: when the scheduler stops a prefetch, the backend gives back the claims the
+   prefetch will not collect.
+
+Each is a wrapper around one method; they are version-gated because they touch internals.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from importlib import metadata
+
+SUPPORTED_SGLANG = ("0.5.23",)
+MAX_TRACKED_REQUESTS = 10_000
+
+
+class UnsupportedSGLang(RuntimeError):
+    pass
+
+
+def check_version() -> str:
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        raise UnsupportedSGLang("sglang is not installed") from None
+    if version not in SUPPORTED_SGLANG:
+        raise UnsupportedSGLang(f"kvcr's SGLang hooks are written for sglang {', '.join(SUPPORTED_SGLANG)}; this is "
+                                f"{version}. Use `--hicache-storage-backend dynamic` with kvcr's extra-config "
+                                "(no hooks: posted hints only, pages not announced) or a supported release")
+    return version
+
+
+class RequestHints:
+    """rid -> the request's kv_hints envelope (a dict), bounded, oldest dropped first."""
+
+    def __init__(self, cap: int = MAX_TRACKED_REQUESTS) -> None:
+        self._by_rid: OrderedDict[str, dict] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cap = cap
+
+    def put(self, rid: str, envelope: dict) -> None:
+        with self._lock:
+            self._by_rid[rid] = envelope
+            self._by_rid.move_to_end(rid)
+            while len(self._by_rid) > self.cap:
+                self._by_rid.popitem(last=False)
+
+    def get(self, rid: str) -> dict | None:
+        with self._lock:
+            return self._by_rid.get(rid)
+
+    def pop(self, rid: str) -> None:
+        with self._lock:
+            self._by_rid.pop(rid, None)
+
+
+REQUEST_HINTS = RequestHints()
+_context = threading.local()  # the hints of the request whose storage call runs on this thread
+
+
+def current_hints() -> dict | None:
+    return getattr(_context, "hints", None)
+
+
+def _with_request_hints(method):
+    """Run a controller method with its operation's request hints visible to the backend."""
+    @functools.wraps(method)
+    def wrapper(self, operation, *args, **kwargs):
+        _context.hints = REQUEST_HINTS.get(operation.request_id)
+        try:
+            return method(self, operation, *args, **kwargs)
+        finally:
+            _context.hints = None
+    return wrapper
+
+
+def _record_request_hints(method):
+    @functools.wraps(method)
+    def wrapper(self, req, *args, **kwargs):
+        if req.kv_hints is not None:
+            import msgspec
+
+            REQUEST_HINTS.put(req.rid, msgspec.to_builtins(req.kv_hints))
+        return method(self, req, *args, **kwargs)
+    return wrapper
+
+
+def _with_backup_tokens(method):
+    """`_page_backup`: remember each page's tokens and the chain's parent for `_page_set_zero_copy`."""
+    @functools.wraps(method)
+    def wrapper(self, operation, *args, **kwargs):
+        p = self.page_size
+        tokens = list(operation.token_ids)
+        _context.backup = ({h: tokens[i * p:(i + 1) * p] for i, h in enumerate(operation.hash_value)},
+                           {h: (operation.hash_value[i - 1] if i else _parent(operation))
+                            for i, h in enumerate(operation.hash_value)})
+        try:
+            return method(self, operation, *args, **kwargs)
+        finally:
+            _context.backup = None
+    return wrapper
+
+
+def _parent(operation) -> str | None:
+    if operation.prefix_keys:
+        return operation.prefix_keys[-1]
+    return operation.last_hash
+
+
+def _add_backup_tokens(method):
+    @functools.wraps(method)
+    def wrapper(self, hash_values, host_indices, extra_info=None):
+        backup = getattr(_context, "backup", None)
+        if backup is not None and all(h in backup[0] for h in hash_values):
+            from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+            info = extra_info or HiCacheStorageExtraInfo()
+            extra = dict(info.extra_info or {})
+            extra["token_ids"] = [t for h in hash_values for t in backup[0][h]]
+            extra["parent_key"] = backup[1][hash_values[0]]
+            info.extra_info = extra
+            extra_info = info
+        return method(self, hash_values, host_indices, extra_info)
+    return wrapper
+
+
+def _notify_prefetch_ended(method):
+    @functools.wraps(method)
+    def wrapper(self, operation):
+        result = method(self, operation)
+        REQUEST_HINTS.pop(operation.request_id)
+        ended = getattr(self.storage_backend, "prefetch_ended", None)  # only kvcr's backend listens
+        if ended is not None:
+            ended(list(operation.all_hash_values or operation.hash_value or []))
+        return result
+    return wrapper
+
+
+_installed = False
+
+
+def install() -> None:
+    """Idempotent. Raises UnsupportedSGLang on any other SGLang release."""
+    global _installed
+    if _installed:
+        return
+    check_version()
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
+    for cls in (HiCacheController, HybridCacheController):
+        cls._storage_hit_query = _with_request_hints(cls._storage_hit_query)
+    HiCacheController._page_get_zero_copy = _with_request_hints(HiCacheController._page_get_zero_copy)
+    HiCacheController._page_backup = _with_backup_tokens(HiCacheController._page_backup)
+    HiCacheController._page_set_zero_copy = _add_backup_tokens(HiCacheController._page_set_zero_copy)
+    HiCacheController.terminate_prefetch = _notify_prefetch_ended(HiCacheController.terminate_prefetch)
+    _installed = True

@@ -1,0 +1,119 @@
+"""The launcher and its three hooks, each against the real SGLang 0.5.23 classes."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.sglang_pools import PAGE, controller, fill, mha_pool, no_claims_left  # installs the torchvision stub first
+
+# isort: split
+from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation  # noqa: E402
+from sglang.srt.managers.kv_hints import decode_kv_hints_envelope  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+
+from kvcr.proto.events import BlockStored  # noqa: E402
+from kvcr.proto.hints import build_envelope  # noqa: E402
+from kvcr.proto.keys import U64_MASK, hash_str_to_int64, page_hashes  # noqa: E402
+from sglang_adapter import hooks  # noqa: E402
+from sglang_adapter.launch_server import DYNAMIC, LaunchError, main, rewrite_args  # noqa: E402
+
+hooks.install()
+
+
+def request(rid: str, envelope: dict | None) -> SimpleNamespace:
+    """What `_prefetch_kvcache` reads of a Req before the (disabled) storage path."""
+    return SimpleNamespace(rid=rid, kv_hints=decode_kv_hints_envelope(envelope) if envelope else None)
+
+
+def idle_scheduler() -> Scheduler:
+    sched = object.__new__(Scheduler)
+    sched.enable_hicache_storage = sched.enable_lmcache = False  # the real method then does nothing
+    return sched
+
+
+def stored_pair(backends, pages: int, seed: int):
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b)
+    tokens = list(range(seed, seed + pages * PAGE))
+    keys = page_hashes(tokens, PAGE)
+    src = pool_a.alloc(pages * PAGE)
+    fill(pool_a, src, seed=seed)
+    assert a.batch_set_v1(keys, src) == [True] * pages
+    return a, b, pool_b, tokens, keys
+
+
+def test_a_requests_kv_hints_reach_the_backends_lookup(backends):
+    a, b, pool_b, tokens, keys = stored_pair(backends, 6, seed=100)
+    envelope = build_envelope(a.service.control.bound_endpoint, [hash_str_to_int64(k) & U64_MASK for k in keys])
+    cb = controller(b, pool_b)
+    _, hit_tokens = cb._storage_hit_query(PrefetchOperation("rid-hinted", tokens, prefix_keys=[]))
+    assert hit_tokens == 0  # SGLang passes no hint of its own: B finds nothing
+    Scheduler._prefetch_kvcache(idle_scheduler(), request("rid-hinted", envelope))
+    _, hit_tokens = cb._storage_hit_query(PrefetchOperation("rid-hinted", tokens, prefix_keys=[]))
+    assert hit_tokens == 6 * PAGE and b.claims_pending() == 1
+    hooks.REQUEST_HINTS.pop("rid-hinted")
+
+
+def test_backed_up_pages_carry_their_tokens_and_are_announced(backends):
+    pool = mha_pool("page_first", page=PAGE)
+    a = backends(pool)
+    tokens = list(range(300, 300 + 5 * PAGE))
+    keys = page_hashes(tokens, PAGE)
+    indices = pool.alloc(5 * PAGE)
+    controller(a, pool)._page_backup(StorageOperation(indices, tokens, hash_value=keys, prefix_keys=[]))
+    with a.runner.lock:
+        stored = [e for e in a.runner.inventory() if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == [hash_str_to_int64(k) for k in keys]
+    assert [t for e in stored for t in e.token_ids] == tokens
+    assert stored[0].parent_block_hash is None
+
+
+def test_an_ended_prefetch_gives_back_the_claims_it_will_not_collect(backends):
+    a, b, pool_b, tokens, keys = stored_pair(backends, 4, seed=200)
+    envelope = build_envelope(a.service.control.bound_endpoint, [hash_str_to_int64(k) & U64_MASK for k in keys])
+    Scheduler._prefetch_kvcache(idle_scheduler(), request("rid-ended", envelope))
+    cb = controller(b, pool_b)
+    op = PrefetchOperation("rid-ended", tokens, prefix_keys=[])
+    op.hash_value, hit = cb._storage_hit_query(op)
+    assert hit == 4 * PAGE and b.claims_pending() == 1
+    cb.terminate_prefetch(op)  # the scheduler's timeout: no batch_get will come
+    assert b.claims_pending() == 0 and hooks.REQUEST_HINTS.get("rid-ended") is None
+    no_claims_left(a)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--hicache-storage-backend", "kvcr"],
+    ["--hicache-storage-backend=kvcr", "--hicache-storage-backend-extra-config", '{"claim_lease_s": 3}'],
+    ["--hicache-storage-backend", "kvcr", "--hicache-storage-backend-extra-config=@{path}"],
+])
+def test_the_literal_kvcr_backend_becomes_sglangs_dynamic_backend(tmp_path, argv):
+    path = tmp_path / "extra.json"
+    path.write_text(json.dumps({"prefetch_timeout_base": 9, "use_posted_hints": False}))
+    args = rewrite_args(["--model-path", "some/model", *[a.replace("{path}", str(path)) for a in argv]])
+    server_args = prepare_server_args(args)  # SGLang's own parser accepts the result
+    assert server_args.hicache_storage_backend == "dynamic" and server_args.enable_hierarchical_cache
+    extra = json.loads(server_args.hicache_storage_backend_extra_config)
+    assert {k: extra[k] for k in DYNAMIC} == DYNAMIC
+    if "@" in argv[-1]:
+        assert extra["prefetch_timeout_base"] == 9 and extra["use_posted_hints"] is False
+
+
+def test_other_backends_pass_through_unchanged():
+    argv = ["--model-path", "m", "--hicache-storage-backend", "file"]
+    assert rewrite_args(argv) == argv
+
+
+def test_a_bad_kvcr_key_is_refused_before_sglang_starts(capsys):
+    with pytest.raises(LaunchError, match="unknown key 'lease'"):
+        rewrite_args(["--hicache-storage-backend", "kvcr", "--hicache-storage-backend-extra-config", '{"lease": 1}'])
+    assert main(["--hicache-storage-backend", "kvcr", "--hicache-storage-backend-extra-config", "{nope"]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+
+
+def test_another_sglang_release_is_refused_by_name(monkeypatch):
+    # A fake version: another SGLang release cannot be installed beside the real one here.
+    monkeypatch.setattr(hooks.metadata, "version", lambda name: "0.5.24")
+    with pytest.raises(hooks.UnsupportedSGLang, match="written for sglang 0.5.23; this is 0.5.24"):
+        hooks.check_version()
