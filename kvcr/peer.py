@@ -26,7 +26,7 @@ from .drivers.shm import Region, RegionError, host_id
 from .drivers.ucx_rma import GetResult
 from .proto import messages as m
 from .proto.announce import Announce
-from .proto.pull import delivered_prefix, plan_gets
+from .proto.pull import delivered_prefix, plan_segment_gets
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 0.5
@@ -230,14 +230,22 @@ class Puller:
             log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
             return ()
 
-    def deliver(self, conf: Confirmation, destinations: Sequence[int], *, move: bool = False) -> PullResult:
-        """GET the confirmed pages into `destinations` (addresses), then release the claim.
+    def deliver(self, conf: Confirmation, destinations: Sequence[int] | Sequence[Sequence[int]], *,
+                segments: Sequence[int] | None = None, move: bool = False) -> PullResult:
+        """GET the confirmed pages into `destinations`, then release the claim. A destination is a
+        page's address, or with `segments` (the byte sizes of a page's pieces, in order) the
+        addresses of its pieces: an engine's host page need not be contiguous.
 
         With `move` (only towards sources that advertise it) the release asks the source to drop
         its copies of the pages we verifiably received, and only those."""
         src = conf.source
         n = min(conf.num_pages, len(destinations))
-        ops = plan_gets(destinations[:n], conf.offsets[:n], conf.page_bytes, chunks=src.chunks)
+        pieces = [(d,) for d in destinations[:n]] if segments is None else destinations[:n]
+        sizes = (conf.page_bytes,) if segments is None else tuple(segments)
+        if sum(sizes) != conf.page_bytes:
+            self.release(conf)
+            raise PeerError(f"segments of {sum(sizes)} bytes do not make a page of {conf.page_bytes}")
+        ops = plan_segment_gets(pieces, conf.offsets[:n], sizes, chunks=src.chunks)
         try:
             result = self._transfer(conf, ops)
         except Exception as exc:  # nothing proves the transfer stopped: the buffers are uncertain
@@ -247,7 +255,7 @@ class Puller:
         finished = time.monotonic()
         arrived = delivered_prefix(ops, result.done, (True,) * n, n)
         if conf.digests:
-            arrived = self._verified_prefix(conf, destinations, arrived)
+            arrived = self._verified_prefix(conf, pieces, sizes, arrived)
         # The source cannot reuse a claimed slot before the lease ends, and our deadline was taken
         # before the source started the lease. GETs that finished well inside it read the claimed
         # bytes, so the release need not be waited for; a late finish asks the source (generations).
@@ -318,11 +326,14 @@ class Puller:
                 done.append(inside)
         return GetResult(tuple(done), error="" if all(done) else "a page lies outside the source's pool")
 
-    def _verified_prefix(self, conf: Confirmation, destinations: Sequence[int], n: int) -> int:
+    def _verified_prefix(self, conf: Confirmation, pieces: Sequence[Sequence[int]], sizes: Sequence[int],
+                         n: int) -> int:
         """Cut the delivered run at the first page whose bytes differ from the source's digest."""
         for i in range(n):
-            page = (ctypes.c_char * conf.page_bytes).from_address(destinations[i])
-            if xxhash.xxh3_64_intdigest(page) != conf.digests[i]:
+            digest = xxhash.xxh3_64()
+            for addr, size in zip(pieces[i], sizes):
+                digest.update((ctypes.c_char * size).from_address(addr))
+            if digest.intdigest() != conf.digests[i]:
                 self.num_digest_mismatches += 1
                 log.warning("page %d from %s does not match its digest: not delivered", i, conf.source.endpoint)
                 return i

@@ -26,12 +26,16 @@ class AdapterConfig:
     # prefetch can end without telling the backend). Default: a 15 s prefetch budget + 1 s.
     claim_lease_s: float = 16.0
     pull_timeout_s: float = 10.0
+    # Opportunistic sources: follow these peers' event streams (their runners' control or HTTP
+    # endpoints) and pull from the one holding the pages when no hint names a source.
+    peers: tuple[str, ...] = ()
+    opportunistic: bool = True
     # Model identity for the namespace when SGLang names none.
     model: str = ""
 
 
 _TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
-          "claim_lease_s": float, "pull_timeout_s": float, "model": str}
+          "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool}
 
 
 def _check(key: str, value: Any, tp: type) -> Any:
@@ -50,6 +54,12 @@ def parse_adapter_config(extra: dict | None) -> AdapterConfig:
             raise AdapterConfigError(f"kvcr extra-config has an unknown key {key!r} (known: "
                                      f"{', '.join(sorted(known | LOADER_KEYS))})")
     values = {k: _check(k, v, _TYPES[k]) for k, v in extra.items() if k in known}
+    if "peers" in values:
+        bad = [p for p in values["peers"] if not isinstance(p, str) or not p.startswith(("tcp://", "ipc://", "http"))]
+        if bad:
+            raise AdapterConfigError(f"kvcr extra-config 'peers' entries must be tcp://, ipc:// or http(s):// "
+                                     f"endpoints, got {bad[0]!r}")
+        values["peers"] = tuple(values["peers"])
     for key in ("claim_lease_s", "pull_timeout_s"):
         if key in values and values[key] <= 0:
             raise AdapterConfigError(f"kvcr extra-config {key!r} must be > 0, got {values[key]}")

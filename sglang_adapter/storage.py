@@ -15,7 +15,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 
 from kvcr.config import load_config
 from kvcr.peer import Confirmation, PeerError
@@ -29,6 +34,7 @@ from kvcr.service import Service
 from . import hooks
 from .config import parse_adapter_config
 from .layout import PageLayout, gather, scatter
+from .peers import PeerFeed
 
 log = logging.getLogger(__name__)
 POOL = "kv"
@@ -68,6 +74,7 @@ class KVCRStorage(HiCacheStorage):
                              "in-process runner serves TP = PP = 1; larger deployments need the per-worker sidecar "
                              "runner, which this release does not ship")
         self.service: Service | None = None
+        self.peer_feed: PeerFeed | None = None
         self.layout: PageLayout | None = None
         self.mem_pool_host = None
         self._pending: dict[str, _Pending] = {}
@@ -82,6 +89,10 @@ class KVCRStorage(HiCacheStorage):
         self.layout = PageLayout.of(mem_pool_host)
         if self.service is None:
             self.service = Service(self._runner_config()).start()
+            if self.runner.puller is not None:  # claims we ask of peers outlive an uncollected prefetch
+                self.runner.puller.lease_s = self.cfg.claim_lease_s
+            if self.cfg.peers and self.cfg.opportunistic:
+                self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint).start()
 
     def _runner_config(self):
         sc, layout = self.storage_config, self.layout
@@ -92,7 +103,9 @@ class KVCRStorage(HiCacheStorage):
                   # v1 pages are the segments in host-layout order; legacy pages are flat tensors
                   "namespace.layout": layout.layout if self.interface_v1 else f"flat-{layout.layout}",
                   "dram.pools": [{"name": POOL, "page_bytes": layout.page_bytes}]}
-        defaults = {"runner.name": f"sglang-dp{sc.dp_rank}", "runner.peers": ["*"]}
+        # "auto": a peer on this host is copied from its pool mapped read-only (UCX emulates GETs
+        # over shared memory, at half the speed); peers elsewhere are read with UCX GETs.
+        defaults = {"runner.name": f"sglang-dp{sc.dp_rank}", "runner.peers": ["*"], "runner.transfer": "auto"}
         return load_config(self.cfg.runner_config or None, {**defaults, **self.cfg.runner, **forced})
 
     @property
@@ -110,27 +123,42 @@ class KVCRStorage(HiCacheStorage):
         local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
         if local == len(keys) or self.runner.puller is None:
             return local
-        with self._lock:
-            held = self._pending.get(keys[local])
-        if held is not None and held.page_hexes == keys[local:local + len(held.page_hexes)]:
-            return local + len(held.page_hexes)
+        confirmed = self._pending_run(keys, local)
+        if confirmed > local:
+            return confirmed  # asked again (another rank's query, a retry): the claims stand
         source = self._source(keys, local, extra_info)
-        if source is None:
-            return local
-        endpoint, depth = source
-        try:
-            conf = self.runner.puller.confirm(endpoint, POOL, keys[local:local + depth])
-        except PeerError as exc:  # a namespace mismatch: that peer's pages are not ours to load
-            log.warning("kvcr: %s", exc)
-            return local
-        if conf is None:
-            return local
+        return local if source is None else self._confirm(keys, local, *source)
+
+    def _pending_run(self, keys: list[str], start: int) -> int:
         with self._lock:
-            stale = self._pending.pop(keys[local], None)
-            self._pending[keys[local]] = _Pending(conf, keys[local:local + conf.num_pages], time.monotonic())
-        if stale is not None:
-            self.runner.puller.release(stale.conf, wait=False)
-        return local + conf.num_pages
+            while start < len(keys) and (p := self._pending.get(keys[start])) is not None \
+                    and p.page_hexes == keys[start:start + len(p.page_hexes)]:
+                start += len(p.page_hexes)
+        return start
+
+    def _confirm(self, keys: list[str], local: int, endpoint: str, depth: int) -> int:
+        """Claim keys[local:local+depth] at the source, one claim per SGLang transfer batch (the
+        controller reads in batches of STORAGE_BATCH_SIZE from the first key), so each batch's
+        pull is one claim that ends with it. Returns the count SGLang may rely on."""
+        got, end = local, local + depth
+        while got < end:
+            stop = min(end, (got // STORAGE_BATCH_SIZE + 1) * STORAGE_BATCH_SIZE)
+            try:
+                conf = self.runner.puller.confirm(endpoint, POOL, keys[got:stop])
+            except PeerError as exc:  # a namespace mismatch: that peer's pages are not ours to load
+                log.warning("kvcr: %s", exc)
+                conf = None
+            if conf is None:
+                break
+            with self._lock:
+                stale = self._pending.pop(keys[got], None)
+                self._pending[keys[got]] = _Pending(conf, keys[got:got + conf.num_pages], time.monotonic())
+            if stale is not None:
+                self.runner.puller.release(stale.conf, wait=False)
+            got += conf.num_pages
+            if got < stop:
+                break
+        return got
 
     def _source(self, keys: list[str], local: int, extra_info) -> tuple[str, int] | None:
         """(endpoint, pages from `local`) a hint names: the request's own, else one the router posted."""
@@ -151,6 +179,8 @@ class KVCRStorage(HiCacheStorage):
             posted = self.runner.hinted_source(events)
             if posted is not None:
                 return posted.endpoint, posted.num_pages
+        if self.peer_feed is not None:  # no hint: whoever announced the pages on its event stream
+            return self.peer_feed.best_source(events)
         return None
 
     def _expire_pending(self) -> None:
@@ -184,15 +214,37 @@ class KVCRStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         start = time.perf_counter()
         segments = self.layout.page_segments(self.mem_pool_host, host_indices)
-        self._take_pending(keys)
         sizes, runner = self.layout.segment_bytes, self.runner
         base = runner.region_address
-        with runner.pinned(POOL, self._keys(keys)) as pages:  # the leading present pages
+        with runner.pinned(POOL, self._keys(keys)) as pages:  # the leading pages we hold
             for page, segs in zip(pages, segments):
                 scatter(base + runner.offset(POOL, page.slot), segs, sizes)
             n = len(pages)
+        n += self._pull_confirmed(keys, segments, n)
         self._count("prefetch", n, start)
         return [i < n for i in range(len(keys))]
+
+    def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
+        """GET what batch_exists confirmed, from keys[n] on, straight into the host pages."""
+        delivered = 0
+        while n + delivered < len(keys):
+            with self._lock:
+                pending = self._pending.pop(keys[n + delivered], None)
+            if pending is None:
+                break
+            first = n + delivered
+            want = min(len(pending.page_hexes), len(keys) - first)
+            result = self.runner.puller.deliver(pending.conf, segments[first:first + want],
+                                                segments=self.layout.segment_bytes)
+            if result.uncertain:
+                # A GET may still land in host pages SGLang will reuse: the one safe way out.
+                log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
+                os._exit(70)
+            delivered += result.delivered
+            self.stats.peer_pages += result.delivered
+            if result.delivered < want:
+                break
+        return delivered
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -301,6 +353,9 @@ class KVCRStorage(HiCacheStorage):
     def close(self) -> None:
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
+        if self.peer_feed is not None:
+            self.peer_feed.close()
+            self.peer_feed = None
         if self.service is not None:
             for p in pending:
                 self.runner.puller.release(p.conf, wait=False)

@@ -1,11 +1,19 @@
 """The launcher and its three hooks, each against the real SGLang 0.5.23 classes."""
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
 
-from tests.sglang_pools import PAGE, controller, fill, mha_pool, no_claims_left  # installs the torchvision stub first
+from tests.sglang_pools import (  # installs the torchvision stub first
+    PAGE,
+    controller,
+    fill,
+    mha_pool,
+    no_claims_left,
+    page_bytes,
+)
 
 # isort: split
 from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation  # noqa: E402
@@ -17,7 +25,8 @@ from kvcr.proto.events import BlockStored  # noqa: E402
 from kvcr.proto.hints import build_envelope  # noqa: E402
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64, page_hashes  # noqa: E402
 from sglang_adapter import hooks  # noqa: E402
-from sglang_adapter.launch_server import DYNAMIC, LaunchError, main, rewrite_args  # noqa: E402
+from sglang_adapter.launch_server import DYNAMIC, TIMEOUTS, LaunchError, main, rewrite_args  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 hooks.install()
 
@@ -117,3 +126,49 @@ def test_another_sglang_release_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(hooks.metadata, "version", lambda name: "0.5.24")
     with pytest.raises(hooks.UnsupportedSGLang, match="written for sglang 0.5.23; this is 0.5.24"):
         hooks.check_version()
+
+
+def test_without_any_hint_a_backend_finds_the_peer_that_announced_the_pages(backends):
+    """Dynamo with stock SGLang workers: nothing forwards a hint, the destination follows its peers."""
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a = backends(pool_a)
+    b = backends(pool_b, peers=[a.service.control.bound_endpoint])
+    tokens = list(range(900, 900 + 6 * PAGE))
+    keys = page_hashes(tokens, PAGE)
+    src = pool_a.alloc(6 * PAGE)
+    fill(pool_a, src, seed=9)
+    controller(a, pool_a)._page_backup(StorageOperation(src, tokens, hash_value=keys, prefix_keys=[]))
+    wait_until(lambda: b.batch_exists(keys) == 6, 10, 0.05, "B learnt A's pages from A's event stream")
+    dst = pool_b.alloc(6 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True] * 6
+    assert page_bytes(pool_b, dst) == page_bytes(pool_a, src)
+    no_claims_left(a)
+
+
+def test_with_the_launchers_prefetch_timeouts_a_remote_prefetch_loses_no_batch(backends):
+    """SGLang drops a batch that completes after its prefetch budget; the launcher's budget must
+    cover a remote pull of several 128-page batches (here the scheduler's timeout is a timer)."""
+    pages = 300
+    pool_a, pool_b = (mha_pool("page_first", page=PAGE, tokens=pages * PAGE + 64) for _ in range(2))
+    a, b = backends(pool_a), backends(pool_b)
+    tokens = list(range(5000, 5000 + pages * PAGE))
+    keys = page_hashes(tokens, PAGE)
+    src = pool_a.alloc(pages * PAGE)
+    fill(pool_a, src, seed=10)
+    assert a.batch_set_v1(keys, src) == [True] * pages
+    envelope = build_envelope(a.service.control.bound_endpoint, [hash_str_to_int64(k) & U64_MASK for k in keys])
+    Scheduler._prefetch_kvcache(idle_scheduler(), request("rid-budget", envelope))
+    cb = controller(b, pool_b)
+    op = PrefetchOperation("rid-budget", tokens, prefix_keys=[])
+    op.hash_value, hit = cb._storage_hit_query(op)
+    assert hit == len(tokens)
+    op.host_indices = pool_b.alloc(pages * PAGE)
+    budget = TIMEOUTS["prefetch_timeout_base"] + TIMEOUTS["prefetch_timeout_per_ki_token"] * len(tokens) / 1024
+    timeout = threading.Timer(budget, op.mark_terminate)
+    timeout.start()
+    try:
+        assert cb._page_transfer(op) == pages and not op.is_terminated()
+    finally:
+        timeout.cancel()
+    assert page_bytes(pool_b, op.host_indices) == page_bytes(pool_a, src)
+    hooks.REQUEST_HINTS.pop("rid-budget")

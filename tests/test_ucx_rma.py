@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcr.drivers import ucx_rma
-from kvcr.proto.pull import GetOp, delivered_prefix, plan_gets
+from kvcr.proto.pull import GetOp, delivered_prefix, plan_gets, plan_segment_gets
 
 LAYOUT_PROBE = r"""
 #include <stddef.h>
@@ -81,6 +81,19 @@ def test_gets_between_two_workers_deliver_exact_bytes_and_coalesce():
 def test_only_leading_pages_that_arrived_and_stayed_live_are_delivered(done, live, expected):
     ops = [GetOp(0, 2, 0, (0, 1)), GetOp(2, 2, 2, (2, 3))]
     assert delivered_prefix(ops, done, live, 4) == expected
+
+
+@pytest.mark.parametrize("done,expected", [([True] * 4, 2), ([True, False, True, True], 0),
+                                            ([True, True, True, False], 1)])
+def test_a_page_split_in_segments_is_delivered_only_when_every_segment_arrived(done, expected):
+    # Two pages, each K then V in separate host buffers; the source holds each page contiguously.
+    k, v = 1 << 20, 2 << 20
+    ops = plan_segment_gets([(k, v), (k + 100, v + 100)], [0, 200], (100, 100), chunks=[(0, 1 << 20)])
+    assert [(op.local, op.nbytes, op.remote_offset, op.pages) for op in ops] == [
+        (k, 100, 0, (0,)), (v, 100, 100, (0,)), (k + 100, 100, 200, (1,)), (v + 100, 100, 300, (1,))]
+    assert delivered_prefix(ops, done, (True, True), 2) == expected
+    merged = plan_segment_gets([(k, k + 100), (k + 200, k + 300)], [0, 200], (100, 100), chunks=[(0, 1 << 20)])
+    assert [(op.nbytes, op.pages) for op in merged] == [(400, (0, 1))]  # contiguous on both sides: one GET
 
 
 @pytest.mark.parametrize("lanes", [1, 2])

@@ -216,7 +216,6 @@ class UcxPlane:
     def _get_on_lane(self, lane: "_Lane", peer_address: bytes, rkeys: dict[int, bytes], remote_base: int,
                      pieces: list[tuple[int, int, int, int, int]], timeout_s: float, abandon_s: float) -> GetResult:
         with lane.lock:
-            ep, unpacked = lane.endpoint(peer_address)
             starts = sorted(rkeys)
             groups: dict[int, list[tuple[int, int, int]]] = {}
             order: list[tuple[int, int]] = []
@@ -224,11 +223,16 @@ class UcxPlane:
                 chunk = max(s for s in starts if s <= remote_offset)
                 groups.setdefault(chunk, []).append((local, nbytes, remote_base + remote_offset))
                 order.append((chunk, len(groups[chunk]) - 1))
+            try:  # nothing is posted yet: a failure here leaves no GET in flight
+                ep, unpacked = lane.endpoint(peer_address)
+                keys = {chunk: unpacked.get(rkeys[chunk]) or unpacked.setdefault(
+                    rkeys[chunk], RemoteKey(ep.handle, rkeys[chunk])) for chunk in groups}
+            except Exception as exc:
+                self.num_leaked_rkeys += lane.forget(peer_address)
+                return GetResult((False,) * len(pieces), error=f"cannot reach the peer: {type(exc).__name__}: {exc}")
             results = {}
             for chunk, chunk_ops in groups.items():
-                key = unpacked.get(rkeys[chunk])
-                if key is None:
-                    key = unpacked[rkeys[chunk]] = RemoteKey(ep.handle, rkeys[chunk])
+                key = keys[chunk]
                 results[chunk] = get_batch(lane.worker.handle, ep.handle, key, chunk_ops, timeout_s=timeout_s,
                                            abandon_s=abandon_s, alive=lambda: ep.alive)
             error = next((r.error for r in results.values() if r.error), "")

@@ -19,31 +19,47 @@ class GetOp:
     pages: tuple[int, ...]  # which requested pages this GET carries
 
 
+Segments = Sequence[int]  # a page's destination addresses, one per segment (one for a contiguous page)
+
+
 def plan_gets(local: Sequence[int], remote: Sequence[int], page_bytes: int, *, chunks: Sequence[tuple[int, int]],
               max_op_bytes: int = 32 << 20) -> list[GetOp]:
     """One GET per run of pages adjacent on both sides (and inside one registered chunk)."""
+    return plan_segment_gets([(dst,) for dst in local], remote, (page_bytes,), chunks=chunks,
+                             max_op_bytes=max_op_bytes)
+
+
+def plan_segment_gets(local: Sequence[Segments], remote: Sequence[int], segment_bytes: Sequence[int], *,
+                      chunks: Sequence[tuple[int, int]], max_op_bytes: int = 32 << 20) -> list[GetOp]:
+    """GETs for pages whose destination is split into segments (an engine's K and V, or per-layer
+    slices): segment k of page i comes from remote[i] + the sizes of segments before k. Pieces
+    adjacent on both sides (inside one registered chunk) share one GET."""
     def chunk_of(offset: int) -> int:
         return next((i for i, (start, length) in enumerate(chunks) if start <= offset < start + length), -1)
 
     ops: list[GetOp] = []
-    for i, (dst, src) in enumerate(zip(local, remote)):
-        if ops:
-            last = ops[-1]
-            if (last.local + last.nbytes == dst and last.remote_offset + last.nbytes == src
-                    and last.nbytes + page_bytes <= max_op_bytes and chunk_of(src) == chunk_of(last.remote_offset)
-                    and chunk_of(src + page_bytes - 1) == chunk_of(src)):
-                ops[-1] = GetOp(last.local, last.nbytes + page_bytes, last.remote_offset, (*last.pages, i))
-                continue
-        ops.append(GetOp(dst, page_bytes, src, (i,)))
+    for i, (dests, src) in enumerate(zip(local, remote)):
+        for dst, size in zip(dests, segment_bytes):
+            if ops:
+                last = ops[-1]
+                if (last.local + last.nbytes == dst and last.remote_offset + last.nbytes == src
+                        and last.nbytes + size <= max_op_bytes and chunk_of(src) == chunk_of(last.remote_offset)
+                        and chunk_of(src + size - 1) == chunk_of(src)):
+                    pages = last.pages if last.pages[-1] == i else (*last.pages, i)
+                    ops[-1] = GetOp(last.local, last.nbytes + size, last.remote_offset, pages)
+                    src += size
+                    continue
+            ops.append(GetOp(dst, size, src, (i,)))
+            src += size
     return ops
 
 
 def delivered_prefix(ops: Sequence[GetOp], done: Sequence[bool], live: Sequence[bool], num_pages: int) -> int:
-    """Leading pages whose GET completed and whose source slot stayed live for the whole claim."""
-    arrived = [False] * num_pages
+    """Leading pages whose GETs (all of them) completed and whose source slot stayed live for the whole claim."""
+    arrived: list[bool | None] = [None] * num_pages
     for op, ok in zip(ops, done):
         for page in op.pages:
-            arrived[page] = ok
+            arrived[page] = ok if arrived[page] is None else arrived[page] and ok
     n = 0
     while n < num_pages and arrived[n] and n < len(live) and live[n]:
         n += 1
