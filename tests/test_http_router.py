@@ -160,6 +160,7 @@ def test_the_router_learns_a_runners_existing_pages_from_its_snapshot(cluster, t
     ({"cost": {"host_weight": 1}, "workers": [{"name": "a", "url": "http://h:1"}]},
      "cost.host_weight is not a known key"),
     ({"workers": [{"name": "a", "url": "http://h:1", "engine": "vllm"}]}, "workers[0].engine = 'vllm' must be one"),
+    ({"workers": [{"name": "a", "url": "http://h:1", "engine": "sglang"}]}, "workers[0].runner is required"),
 ])
 def test_a_bad_router_config_is_refused_with_the_key_named(raw, problem):
     with pytest.raises(RouterConfigError, match=problem.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):

@@ -156,6 +156,23 @@ def test_bad_hints_are_rejected_with_the_reason(change, problem):
         hints.parse_envelope(envelope(**change))
 
 
+def test_the_dynamo_advertisement_names_each_dp_ranks_control_endpoint():
+    adv = hints.dynamo_advertisement({1: "tcp://w:5601", 0: "tcp://w:5600"}, "prefill")
+    assert adv == {"router_hint": True, "router_hint_worker_type": "prefill",
+                   "router_hint_source_control_endpoints": {"0": "tcp://w:5600", "1": "tcp://w:5601"}}
+
+
+@pytest.mark.parametrize("endpoints, worker_type, problem", [
+    ({0: "tcp://w:1"}, "mixed", "worker_type must be one of"),
+    ({}, "aggregated", "at least one control endpoint"),
+    ({-1: "tcp://w:1"}, "aggregated", "non-negative integers"),
+    ({0: "http://w:1"}, "aggregated", "is not a ZMQ endpoint"),
+])
+def test_a_bad_dynamo_advertisement_is_refused(endpoints, worker_type, problem):
+    with pytest.raises(hints.HintError, match=problem):
+        hints.dynamo_advertisement(endpoints, worker_type)
+
+
 def test_move_mode_only_where_allowed_and_legacy_flat_form():
     assert hints.parse_envelope(envelope(mode="move"), allow_move=True).mode == "move"
     flat = {"source_control_endpoint": "tcp://h:2", "block_hashes": [3]}

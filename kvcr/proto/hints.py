@@ -108,3 +108,22 @@ def build_envelope(source_control_endpoint: str, block_hashes: Iterable[int], *,
             "actions": [{"action_id": "a1", "action_type": ACTION_TYPE, "action_version": ACTION_VERSION,
                          "payload": {"source_control_endpoint": hint.source_control_endpoint,
                                      "block_hashes": list(hint.block_hashes), "mode": hint.mode}}]}
+
+
+WORKER_TYPES = ("aggregated", "prefill", "decode")
+
+
+def dynamo_advertisement(control_endpoints: dict[int, str], worker_type: str = "aggregated") -> dict[str, Any]:
+    """The runtime-config keys a Dynamo worker advertises to be named as a hint source, from its
+    runners' control endpoints per global DP rank."""
+    if worker_type not in WORKER_TYPES:
+        raise HintError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
+    if not control_endpoints:
+        raise HintError("a source needs at least one control endpoint")
+    for rank, endpoint in control_endpoints.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise HintError(f"DP ranks are non-negative integers, got {rank!r}")
+        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
+            raise HintError(f"rank {rank}: control endpoint {endpoint!r} is not a ZMQ endpoint")
+    return {"router_hint": True, "router_hint_worker_type": worker_type,
+            "router_hint_source_control_endpoints": {str(r): e for r, e in sorted(control_endpoints.items())}}

@@ -23,7 +23,7 @@ class WorkerEntry:
     url: str            # the engine's HTTP base URL
     runner: str         # its runner's info endpoint (http:// or tcp:// control); "" = from the engine's /server_info
     role: str = "aggregated"
-    engine: str = "kvcr-worker"  # which body field carries hints on /generate: both take `kv_hints`
+    engine: str = "kvcr-worker"  # "sglang": its runner must be named (`runner`), /server_info lacks it
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +77,9 @@ def _worker(i: int, raw: Any) -> WorkerEntry:
         raise RouterConfigError(f"{key}.url = {w['url']!r} must be an http:// URL")
     if w["engine"] not in ENGINES:
         raise RouterConfigError(f"{key}.engine = {w['engine']!r} must be one of {ENGINES}")
+    if w["engine"] == "sglang" and not w["runner"]:  # SGLang's /server_info does not name our runner
+        raise RouterConfigError(f"{key}.runner is required for engine 'sglang' (its runner's http:// or tcp:// "
+                                "control endpoint)")
     return WorkerEntry(**w)
 
 
