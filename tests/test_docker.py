@@ -17,6 +17,7 @@ import pytest
 
 from kvcr.config import load_config, parse_size
 from kvcr.demo.main import add_arguments as demo_arguments
+from sglang_adapter.launch_server import rewrite_args
 
 try:
     import yaml
@@ -184,4 +185,7 @@ def test_gpu_stack_agrees_on_ports_and_block_size():
             assert endpoint.startswith(f"tcp://{worker['name']}:"), endpoint
         assert worker["runner"] == cfg.runner.control_endpoint
         assert worker["url"] == f"http://{worker['name']}:{command[command.index('--port') + 1]}"
+        # The launcher accepts the command (kvcr's extra-config keys are checked, SGLang's are not).
+        args = rewrite_args(command[command.index("sglang_adapter.launch_server") + 1:])
+        assert args[args.index("--hicache-storage-backend") + 1] == "dynamic"
         assert f"{worker['name']}:{cfg.runner.http_port}" in targets
