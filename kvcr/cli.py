@@ -92,7 +92,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     try:
         return run(args, _parse_set(args.set))
-    except (ConfigError, RegionError, FileNotFoundError) as exc:
+    except (ConfigError, RegionError, OSError) as exc:  # OSError: a port already in use, a missing tokenizer
         print(f"kvcr worker: {exc}", file=sys.stderr)
         return 2
 

@@ -154,8 +154,13 @@ class Puller:
 
     def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, _retry: bool = True
                 ) -> Confirmation | None:
-        """Claim the leading pages at the source. None when it has none (or is busy: a miss)."""
-        src = self.source(endpoint)
+        """Claim the leading pages at the source. None when it has none, is busy or cannot be
+        reached (a miss); PeerError when it must not be used (untrusted, another namespace)."""
+        try:
+            src = self.source(endpoint)
+        except (TimeoutError, OSError, ControlError) as exc:
+            log.info("peer %s unreachable: %s", endpoint, exc)
+            return None
         sent = time.monotonic()
         try:
             with src.lock:

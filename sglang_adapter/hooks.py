@@ -7,7 +7,8 @@
 3. prefetch ended: when the scheduler stops a prefetch, the backend gives back the claims the
    prefetch will not collect.
 
-Each is a wrapper around one method; they are version-gated because they touch internals.
+Each wraps one or two methods (the hint hook: the scheduler's prefetch and the controllers' hit
+queries); they are version-gated because they touch internals.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def current_hints() -> dict | None:
 
 
 def _with_request_hints(method):
-    """Run a controller method with its operation's request hints visible to the backend."""
+    """Run a hit query with its operation's request hints visible to the backend's batch_exists
+    (batch_get_v1 needs none: it collects the claims batch_exists took)."""
     @functools.wraps(method)
     def wrapper(self, operation, *args, **kwargs):
         _context.hints = REQUEST_HINTS.get(operation.request_id)
@@ -159,7 +161,6 @@ def install() -> None:
     Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
     for cls in (HiCacheController, HybridCacheController):
         cls._storage_hit_query = _with_request_hints(cls._storage_hit_query)
-    HiCacheController._page_get_zero_copy = _with_request_hints(HiCacheController._page_get_zero_copy)
     HiCacheController._page_backup = _with_backup_tokens(HiCacheController._page_backup)
     HiCacheController._page_set_zero_copy = _add_backup_tokens(HiCacheController._page_set_zero_copy)
     HiCacheController.terminate_prefetch = _notify_prefetch_ended(HiCacheController.terminate_prefetch)

@@ -20,11 +20,13 @@ BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"
 DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "class_name": "KVCRStorage",
            "interface_v1": 1}
-# bench/sglang_adapter.py (docs/sglang.md): a first pull from a new peer took ~0.66 s (endpoint and
-# keys set up), warm 8k/32k-token pulls 36/147 ms p99 on one host; a 10 GbE link needs ~0.03 s per
-# 1k tokens of a 28-layer model. The base covers the first contact twice over; per 1k tokens
-# SGLang's 0.25 s stays (>= 2x both). SGLang's 1 s base would drop a first pull's pages.
+# bench/sglang_adapter.py (docs/sglang.md): warm 8k/32k-token pulls took 36/147 ms (p99) on one host,
+# a first contact with a new peer up to ~0.66 s; a 10 GbE link needs ~0.03 s per 1k tokens of a
+# 28-layer model. A 2 s base is about 3x the first contact; SGLang's 0.25 s per 1k tokens stays
+# (>= 2x either link). SGLang's 1 s base leaves too little room for a first pull.
 TIMEOUTS = {"prefetch_timeout_base": 2.0, "prefetch_timeout_per_ki_token": 0.25}
+# prefix keys let a backed-up page name its parent, so its announce continues the chain routers match.
+DEFAULTS = {**TIMEOUTS, "hicache_storage_pass_prefix_keys": True}
 # Keys SGLang's controller takes out of the extra-config before the backend sees it.
 CONTROLLER_KEYS = frozenset({"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                              "hicache_storage_pass_prefix_keys", "tp_lcm_size"})
@@ -78,7 +80,7 @@ def rewrite_args(argv: list[str]) -> list[str]:
         parse_adapter_config({k: v for k, v in extra.items() if k not in CONTROLLER_KEYS})
     except AdapterConfigError as exc:
         raise LaunchError(str(exc)) from None
-    merged = json.dumps({**TIMEOUTS, **extra, **DYNAMIC})
+    merged = json.dumps({**DEFAULTS, **extra, **DYNAMIC})
     if extra_found:
         out[extra_found[0]:extra_found[1] + 1] = [EXTRA_FLAG, merged]
     else:

@@ -23,8 +23,9 @@ class PeerFeed:
         self.inventory = PeerInventory()
         self.lock = threading.Lock()
         self._waiting = list(endpoints)   # info endpoints not reached yet
-        self._resync: set[str] = set()    # peers whose stream lost batches replay could not repair
-        self.subscriber = Subscriber(on_unrepaired=self._resync.add)
+        # peer -> when to (re)load its snapshot: just joined, or lost batches replay could not repair
+        self._resync: dict[str, float] = {}
+        self.subscriber = Subscriber(on_unrepaired=lambda peer: self._resync.setdefault(peer, 0.0))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcr-peer-feed", daemon=True)
 
@@ -39,29 +40,29 @@ class PeerFeed:
     def _discover(self) -> None:
         for endpoint in list(self._waiting):
             try:
-                info = fetch_info(endpoint, timeout_s=2.0)
-            except (TimeoutError, OSError) as exc:
-                log.debug("peer %s not reachable yet: %s", endpoint, exc)
+                ep = fetch_info(endpoint, timeout_s=2.0)["endpoints"]
+                control, events, replay = ep["control"], ep["events"], ep.get("replay")
+            except Exception as exc:  # unreachable yet, or an answer that is not a runner's info
+                log.debug("peer %s not usable yet: %s", endpoint, exc)
                 continue
             self._waiting.remove(endpoint)
-            ep = info["endpoints"]
-            if ep["control"] == self.own:
-                continue
-            self.subscriber.add(ep["control"], ep["events"], ep.get("replay"))
-            self._resync.add(ep["control"])
+            if control != self.own:
+                self.subscriber.add(control, events, replay)
+                self._resync[control] = 0.0
 
     def _snapshot(self, control: str) -> None:
         try:
             with ControlClient(control, timeout_s=5.0) as client:
                 seq, events = client.snapshot()
         except (TimeoutError, ControlError, OSError) as exc:
-            log.info("snapshot of peer %s failed (retried): %s", control, exc)
+            log.info("snapshot of peer %s failed (retried in %.0f s): %s", control, RETRY_S, exc)
+            self._resync[control] = time.monotonic() + RETRY_S
             return
         with self.lock:
             self.inventory.forget(control)
             self.inventory.apply(control, EventBatch(ts=time.time(), events=tuple(events)))
         self.subscriber.start_after(control, seq)
-        self._resync.discard(control)
+        self._resync.pop(control, None)
 
     def _run(self) -> None:
         next_try = 0.0
@@ -69,8 +70,9 @@ class PeerFeed:
             if self._waiting and time.monotonic() >= next_try:
                 self._discover()
                 next_try = time.monotonic() + RETRY_S
-            for control in list(self._resync):
-                self._snapshot(control)
+            for control, due in list(self._resync.items()):
+                if due <= time.monotonic():
+                    self._snapshot(control)
             for item in self.subscriber.poll(100):
                 with self.lock:
                     if isinstance(item, Delivery):
@@ -80,5 +82,6 @@ class PeerFeed:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
-        self.subscriber.close()
+        self._thread.join(15)  # a snapshot in progress ends within its 5 s timeout
+        if not self._thread.is_alive():  # its sockets belong to the thread while it runs
+            self.subscriber.close()

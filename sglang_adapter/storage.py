@@ -1,8 +1,9 @@
 """`KVCRStorage`: SGLang's HiCache L3 backend on a kvcr runner (hosted in-process, TP = 1).
 
 Exact lookups: `batch_exists` counts the local leading pages, then, when a hint names a peer for
-the rest, claims them there; the count it returns is what `batch_get_v1` delivers. A claim SGLang
-never collects (its prefetch ended silently) is released by its lease at the source.
+the rest, claims them there, so the pages it counts are pinned at their source until `batch_get_v1`
+collects them (a local page can still be evicted meanwhile: the read then stops short, and only
+what arrived whole is reported). A claim SGLang never collects is given back after its lease.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +25,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvcr.config import load_config
-from kvcr.peer import Confirmation, PeerError
+from kvcr.peer import PeerError
 from kvcr.proto.announce import Announce
+from kvcr.proto.events import EventError
 from kvcr.proto.hints import HintError, parse_envelope
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 from kvcr.proto.pool import Page, PoolError
@@ -35,21 +38,13 @@ from . import hooks
 from .config import parse_adapter_config
 from .layout import PageLayout, gather, scatter
 from .peers import PeerFeed
+from .pending import Pending, PendingClaims
 
 log = logging.getLogger(__name__)
 POOL = "kv"
 
 if os.environ.get("KVCR_SGLANG_HOOKS") == "1":  # set by the launcher; this import runs in each scheduler
     hooks.install()
-
-
-@dataclass
-class _Pending:
-    """Pages a source confirmed (and claimed) in batch_exists, waiting for batch_get."""
-
-    conf: Confirmation
-    page_hexes: list[str]
-    since: float
 
 
 @dataclass
@@ -77,8 +72,11 @@ class KVCRStorage(HiCacheStorage):
         self.peer_feed: PeerFeed | None = None
         self.layout: PageLayout | None = None
         self.mem_pool_host = None
-        self._pending: dict[str, _Pending] = {}
-        self._lock = threading.Lock()
+        self._pending = PendingClaims()
+        # Releases go out on their own thread: a caller (the scheduler's prefetch-ended hook)
+        # must not wait on a source's lock held by a transfer in flight.
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
+        self._stats_lock = threading.Lock()
         self.stats = _Stats()
         self.num_claims_expired = 0
 
@@ -123,18 +121,11 @@ class KVCRStorage(HiCacheStorage):
         local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
         if local == len(keys) or self.runner.puller is None:
             return local
-        confirmed = self._pending_run(keys, local)
+        confirmed = self._pending.covered(keys, local)
         if confirmed > local:
             return confirmed  # asked again (another rank's query, a retry): the claims stand
         source = self._source(keys, local, extra_info)
         return local if source is None else self._confirm(keys, local, *source)
-
-    def _pending_run(self, keys: list[str], start: int) -> int:
-        with self._lock:
-            while start < len(keys) and (p := self._pending.get(keys[start])) is not None \
-                    and p.page_hexes == keys[start:start + len(p.page_hexes)]:
-                start += len(p.page_hexes)
-        return start
 
     def _confirm(self, keys: list[str], local: int, endpoint: str, depth: int) -> int:
         """Claim keys[local:local+depth] at the source, one claim per SGLang transfer batch (the
@@ -145,16 +136,12 @@ class KVCRStorage(HiCacheStorage):
             stop = min(end, (got // STORAGE_BATCH_SIZE + 1) * STORAGE_BATCH_SIZE)
             try:
                 conf = self.runner.puller.confirm(endpoint, POOL, keys[got:stop])
-            except PeerError as exc:  # a namespace mismatch: that peer's pages are not ours to load
+            except PeerError as exc:  # untrusted, or a namespace mismatch: nothing to load from it
                 log.warning("kvcr: %s", exc)
                 conf = None
             if conf is None:
                 break
-            with self._lock:
-                stale = self._pending.pop(keys[got], None)
-                self._pending[keys[got]] = _Pending(conf, keys[got:got + conf.num_pages], time.monotonic())
-            if stale is not None:
-                self.runner.puller.release(stale.conf, wait=False)
+            self._pending.add(Pending(conf, keys[got:got + conf.num_pages], time.monotonic()))
             got += conf.num_pages
             if got < stop:
                 break
@@ -183,36 +170,36 @@ class KVCRStorage(HiCacheStorage):
             return self.peer_feed.best_source(events)
         return None
 
+    def _give_back(self, pending: list[Pending]) -> None:
+        for p in pending:
+            self._releaser.submit(self.runner.puller.release, p.conf, wait=False)
+
     def _expire_pending(self) -> None:
         """Give back claims SGLang never collected (a prefetch that ended or was revoked)."""
-        now = time.monotonic()
-        with self._lock:
-            old = [k for k, p in self._pending.items() if now - p.since > self.cfg.claim_lease_s]
-            gone = [self._pending.pop(k) for k in old]
-        for p in gone:
-            self.runner.puller.release(p.conf, wait=False)
+        gone = self._pending.expire(time.monotonic(), self.cfg.claim_lease_s)
+        self._give_back(gone)
         self.num_claims_expired += len(gone)
 
     def prefetch_ended(self, keys: list[str]) -> None:
         """The scheduler stopped a prefetch (launcher hook): give back what it will not collect."""
-        with self._lock:
-            ended = [self._pending.pop(k) for k in keys if k in self._pending]
-        for p in ended:
-            self.runner.puller.release(p.conf, wait=False)
+        self._give_back(self._pending.take_starting_in(keys))
 
     def _take_pending(self, keys: list[str]) -> None:
-        """Pull what batch_exists confirmed for these keys into the runner (the claim ends here)."""
-        with self._lock:
-            taken = [self._pending.pop(k) for k in keys if k in self._pending]
-        for p in taken:
+        """Byte-copy reads: pull what batch_exists confirmed for these keys into the runner."""
+        pos = self.runner.lookup(POOL, self._keys(keys))
+        while pos < len(keys) and (p := self._pending.take(keys, pos)) is not None:
             got = self.runner.take_confirmed(p.conf, p.page_hexes)
-            self.stats.peer_pages += got
+            self._add_stat("peer_pages", got)
+            if got < len(p.page_hexes):
+                break
+            pos += got
 
     # --- zero-copy interface -------------------------------------------------------------------
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         start = time.perf_counter()
+        self._expire_pending()
         segments = self.layout.page_segments(self.mem_pool_host, host_indices)
         sizes, runner = self.layout.segment_bytes, self.runner
         base = runner.region_address
@@ -228,11 +215,10 @@ class KVCRStorage(HiCacheStorage):
         """GET what batch_exists confirmed, from keys[n] on, straight into the host pages."""
         delivered = 0
         while n + delivered < len(keys):
-            with self._lock:
-                pending = self._pending.pop(keys[n + delivered], None)
+            first = n + delivered
+            pending = self._pending.take(keys, first)  # only a claim on exactly these keys
             if pending is None:
                 break
-            first = n + delivered
             want = min(len(pending.page_hexes), len(keys) - first)
             result = self.runner.puller.deliver(pending.conf, segments[first:first + want],
                                                 segments=self.layout.segment_bytes)
@@ -241,7 +227,7 @@ class KVCRStorage(HiCacheStorage):
                 log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
                 os._exit(70)
             delivered += result.delivered
-            self.stats.peer_pages += result.delivered
+            self._add_stat("peer_pages", result.delivered)
             if result.delivered < want:
                 break
         return delivered
@@ -253,7 +239,7 @@ class KVCRStorage(HiCacheStorage):
         sizes, runner = self.layout.segment_bytes, self.runner
         try:
             fill = runner.reserve(POOL, self._keys(keys), self._announces(keys, extra_info), lease_s=math.inf)
-        except PoolError as exc:
+        except (PoolError, EventError) as exc:  # no room, or announces the runner cannot use
             log.warning("kvcr: backup of %d pages refused: %s", len(keys), exc)
             return [False] * len(keys)
         ok = True
@@ -287,14 +273,13 @@ class KVCRStorage(HiCacheStorage):
             parent = h
         return out
 
+    def _add_stat(self, name: str, value: float) -> None:
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + value)
+
     def _count(self, kind: str, pages: int, start: float) -> None:
-        elapsed = time.perf_counter() - start
-        if kind == "prefetch":
-            self.stats.prefetch_pages += pages
-            self.stats.prefetch_seconds += elapsed
-        else:
-            self.stats.backup_pages += pages
-            self.stats.backup_seconds += elapsed
+        self._add_stat(f"{kind}_pages", pages)
+        self._add_stat(f"{kind}_seconds", time.perf_counter() - start)
 
     # --- byte-copy interface (no interface_v1) -----------------------------------------------
 
@@ -337,7 +322,8 @@ class KVCRStorage(HiCacheStorage):
     def get_stats(self):
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        s, self.stats = self.stats, _Stats()
+        with self._stats_lock:
+            s, self.stats = self.stats, _Stats()
         metrics = StorageMetrics()
         metrics.prefetch_pgs.append(s.prefetch_pages)
         metrics.backup_pgs.append(s.backup_pages)
@@ -347,17 +333,14 @@ class KVCRStorage(HiCacheStorage):
         return metrics
 
     def claims_pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
+        return len(self._pending)
 
     def close(self) -> None:
-        with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
         if self.peer_feed is not None:
             self.peer_feed.close()
             self.peer_feed = None
         if self.service is not None:
-            for p in pending:
-                self.runner.puller.release(p.conf, wait=False)
+            self._give_back(self._pending.drain())
+            self._releaser.shutdown(wait=True)
             self.service.stop()
             self.service = None

@@ -1,13 +1,12 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvcr.demo.procs import Child
 from kvcr.drivers.ucx_env import SINGLE_HOST_UCX_ENV
 
 # UCX on one host, as ucx-notes recommend for tests (set before any child process starts).
@@ -19,46 +18,21 @@ VECTORS = json.loads((ROOT.parent / "shared" / "reference" / "hash-vectors.json"
     if (ROOT.parent / "shared" / "reference" / "hash-vectors.json").exists() else None
 
 
-class RunnerProcess:
+class RunnerProcess(Child):
     """A real `kvcr serve` child process, discovered through its info file (never its stdout)."""
 
     def __init__(self, tmp: Path, name: str, overrides: dict) -> None:
-        self.tmp = tmp
-        self.info_file = tmp / f"{name}.info.json"
-        self.log_path = tmp / f"{name}.log"
-        self.args = [sys.executable, "-m", "kvcr.cli", "serve", "--info-file", str(self.info_file)]
         defaults = {"runner.name": name, "runner.state_dir": str(tmp / f"{name}.state"), "dram.size": "32Mi"}
-        for key, value in {**defaults, **overrides}.items():
-            self.args += ["--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-        self.proc: subprocess.Popen | None = None
-        self.info: dict = {}
+        sets = [arg for key, value in {**defaults, **overrides}.items()
+                for arg in ("--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}")]
+        super().__init__(tmp, name, ["serve", *sets], cwd=ROOT)
 
     def start(self, timeout_s: float = 30.0) -> dict:
-        self.info_file.unlink(missing_ok=True)
-        self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=self.log, cwd=ROOT)
-        deadline = time.monotonic() + timeout_s
-        while not self.info_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvcr serve exited {self.proc.returncode}: {self.log_path.read_text()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(self.log_path.read_text())
-            time.sleep(0.05)
-        self.info = json.loads(self.info_file.read_text())
-        return self.info
+        return super().start().wait_ready(timeout_s)
 
     @property
     def endpoints(self) -> dict:
         return self.info["endpoints"]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout_s)
-        finally:
-            self.log.close()
 
 
 @pytest.fixture
@@ -73,10 +47,7 @@ def runner_factory(tmp_path):
     yield make
     for proc in started:
         if proc.proc is not None and proc.proc.poll() is None:
-            try:
-                proc.stop(signal.SIGTERM, timeout_s=10)
-            except subprocess.TimeoutExpired:
-                proc.proc.kill()
+            proc.stop(signal.SIGTERM, timeout_s=10)  # killed if it does not stop in time
 
 
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, message: str = "condition"):

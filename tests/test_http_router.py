@@ -61,7 +61,8 @@ def test_a_streamed_chat_through_the_router_returns_the_bytes_of_a_direct_reques
         if routed == direct:
             break
     assert routed == direct
-    assert routed.endswith(b"data: [DONE]\n\n") and routed.count(b"data: ") == 9
+    assert routed.endswith(b"data: [DONE]\n\n") and routed.count(b"data: ") == 10  # role, 8 tokens, DONE
+    assert b'"delta": {"role": "assistant"' in routed.split(b"\n\n")[0]
 
 
 def test_the_target_is_the_cost_minimum_recomputed_from_debug_index(cluster):

@@ -190,3 +190,12 @@ def test_the_byte_copy_interface_and_clear(backends):
     assert backend.exists(keys[0])
     backend.clear()
     assert backend.batch_exists(keys) == 0 and backend.get(keys[0]) is None
+
+
+def test_a_hint_naming_an_unreachable_peer_is_a_miss_not_an_error(backends):
+    pool = mha_pool("page_first", page=PAGE)
+    backend = backends(pool, pull_timeout_s=0.5)
+    keys = keys_for(3, seed=13)
+    envelope = build_envelope("tcp://127.0.0.1:9", [hash_str_to_int64(k) & U64_MASK for k in keys])  # nobody there
+    assert backend.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"kv_hints": envelope})) == 0
+    assert backend.claims_pending() == 0

@@ -59,22 +59,24 @@ class Demo:
              f"+ NVMe in {self.tmp}, UCX peer server)")
         for i in range(a.workers):
             name, base = f"w{i}", self.tmp / f"w{i}"
-            self.workers.append(Child(logs, name, [
+            self.children.append(Child(logs, name, [
                 "worker", "--name", name, "--port", "0", "--page-size", str(a.page_size), "--layers", str(a.layers),
                 "--hidden", str(a.hidden), "--seed", str(a.seed), "--set", f"runner.state_dir={base / 'state'}",
                 "--set", f"nvme.storage_dir={base / 'nvme'}", "--set", f"dram.size={a.dram}",
                 # spill to NVMe before DRAM is full, so evicted pages stay servable
                 "--set", "dram.high_watermark=0.85", "--set", "dram.low_watermark=0.7",
-                "--set", f"runner.transfer={a.transport}"], self.env).start())
-        self.children += self.workers
+                "--set", f"runner.transfer={a.transport}"], self.env))
+            self.workers.append(self.children[-1])
+            self.children[-1].start()  # registered first: a failed start is still stopped
         for w in self.workers:
             w.wait_ready()
         cfg = {"router": {"port": 0, "block_size": a.page_size},
                "workers": [{"name": w.name, "url": w.url} for w in self.workers]}
         (self.tmp / "router.json").write_text(json.dumps(cfg))
         _say("[2/4] starting the router (subscribes to every runner's event stream)")
-        self.router = Child(logs, "router", ["router", "--config", str(self.tmp / "router.json")], self.env).start()
+        self.router = Child(logs, "router", ["router", "--config", str(self.tmp / "router.json")], self.env)
         self.children.append(self.router)
+        self.router.start()
         self.router.wait_ready()
         _say(f"      router {self.router.url}  (/metrics, /debug/index)")
         for w in self.workers:

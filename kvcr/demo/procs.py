@@ -11,8 +11,10 @@ from pathlib import Path
 
 
 class Child:
-    def __init__(self, run_dir: Path, name: str, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, run_dir: Path, name: str, args: list[str], env: dict | None = None,
+                 cwd: Path | None = None) -> None:
         self.name = name
+        self.cwd = cwd
         self.info_file = run_dir / f"{name}.info.json"
         self.log_path = run_dir / f"{name}.log"
         self.args = [sys.executable, "-m", "kvcr.cli", *args, "--info-file", str(self.info_file)]
@@ -23,7 +25,7 @@ class Child:
     def start(self) -> "Child":
         self.info_file.unlink(missing_ok=True)
         self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=self.log, env=self.env)
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=self.log, env=self.env, cwd=self.cwd)
         return self
 
     def wait_ready(self, timeout_s: float = 120.0) -> dict:
@@ -43,7 +45,7 @@ class Child:
     def url(self) -> str:
         return self.info["url"]
 
-    def signal(self, sig: int = signal.SIGTERM) -> None:
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
@@ -57,17 +59,19 @@ class Child:
             self.proc.kill()
             return self.proc.wait()
         finally:
-            self.log.close()
+            self.log.close()  # closing twice is harmless
 
-    def stop(self, timeout_s: float = 15.0) -> int:
-        self.signal()
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.proc is None:
+            return 0
+        self.send_signal(sig)
         return self.wait(timeout_s)
 
 
 def stop_all(children: list[Child], timeout_s: float = 8.0) -> None:
     """Signal every child first, then wait: shutdown takes the time of the slowest, not the sum."""
     for child in children:
-        child.signal()
+        child.send_signal()
     deadline = time.monotonic() + timeout_s
     for child in children:
         child.wait(max(0.1, deadline - time.monotonic()))

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from ..peer import PeerError
 from ..proto.announce import announce_request
 from ..proto.hints import FetchHint
 from ..proto.keys import U64_MASK, page_hashes
@@ -65,6 +66,7 @@ class EngineStats:
     oracle_checks: int = 0
     oracle_mismatches: int = 0
     store_failures: int = 0
+    hint_errors: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, info: PrefillInfo) -> None:
@@ -108,7 +110,13 @@ class Engine:
             depth, endpoint = (posted.num_pages, posted.endpoint) if posted is not None else (0, "")
         if depth <= have:
             return have, None
-        return self.runner.pull_from(endpoint, POOL, hexes[:depth]), endpoint
+        try:
+            return self.runner.pull_from(endpoint, POOL, hexes[:depth]), endpoint
+        except PeerError as exc:  # an untrusted source, or another model's pages: compute instead
+            log.warning("hint ignored: %s", exc)
+            with self.stats.lock:
+                self.stats.hint_errors += 1
+            return have, None
 
     def _load(self, keys: list[str], n: int) -> tuple[int, KV | None]:
         if n == 0:

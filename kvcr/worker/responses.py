@@ -71,6 +71,13 @@ def stream_chunk(s: Served, text: str, delta: str, output_ids: list[int], finish
             "choices": [_choice(s, delta, finish, delta=True)]}
 
 
+def role_chunk(s: Served) -> dict:
+    ident, obj = _object(s, chunk=True)
+    return {"id": ident, "object": obj, "created": s.created, "model": s.model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]}
+
+
 def usage_chunk(s: Served, completion_tokens: int) -> dict:
     ident, obj = _object(s, chunk=True)
     return {"id": ident, "object": obj, "created": s.created, "model": s.model, "choices": [],

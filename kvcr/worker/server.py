@@ -73,6 +73,8 @@ def parse_job(body: Any, route: str, tokenizer: TextTokenizer, max_positions: in
     except HintError as exc:
         raise RequestError(f"kv_hint rejected: {exc}") from None
     options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object")
     return Job(tokens, max_new, bool(body.get("stream", False)), bool(options.get("include_usage")),
                str(body.get("rid") or uuid.uuid4().hex), hint, bool(body.get("kvcr_oracle", False)), ignore_eos)
 
@@ -182,6 +184,8 @@ class Worker:
             return web.json_response(r.final_body(served, self.tokenizer.decode(ids), ids, finish))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        if route == "chat":  # OpenAI streams open with the role
+            await resp.write(r.sse(r.role_chunk(served)))
         ids: list[int] = []
         text = ""
         while (token := await self._run(next, steps, None)) is not None:
@@ -200,22 +204,23 @@ class Worker:
 
 
 async def serve(worker: Worker, host: str, port: int, info_file: str | None) -> None:
+    """Serve until SIGTERM/SIGINT; the runner (shared memory, UCX, threads) stops on every way out."""
     runner = web.AppRunner(worker.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    url = f"http://{host}:{bound}"
-    if info_file:
-        tmp = Path(info_file + ".tmp")
-        tmp.write_text(json.dumps({"url": url, **worker.info()}))
-        os.replace(tmp, info_file)
-    log.info("kvcr worker %s serving %s at %s", worker.service.cfg.runner.name, worker.model_name, url)
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, done.set)
-    await done.wait()
-    await runner.cleanup()
-    worker.executor.shutdown(wait=True, cancel_futures=True)
-    worker.service.stop()
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        url = f"http://{host}:{runner.addresses[0][1]}"
+        if info_file:
+            tmp = Path(info_file + ".tmp")
+            tmp.write_text(json.dumps({"url": url, **worker.info()}))
+            os.replace(tmp, info_file)
+        log.info("kvcr worker %s serving %s at %s", worker.service.cfg.runner.name, worker.model_name, url)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        await done.wait()
+    finally:
+        await runner.cleanup()
+        worker.executor.shutdown(wait=True, cancel_futures=True)
+        worker.service.stop()

@@ -37,7 +37,7 @@ def attach_hint(body: dict, envelope: dict) -> dict:
     return {**body, "kv_hints": envelope}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Booking:
     """One request's share of a worker's load: prefill blocks until its first token, then decode."""
 
@@ -45,6 +45,7 @@ class Booking:
     prompt_tokens: int
     new_blocks: int   # blocks the worker must compute (request blocks minus the cached prefix)
     decode_blocks: int
+    prefilled: bool = False
 
 
 def book(loads: dict[Worker, Load], b: Booking) -> None:
@@ -55,14 +56,15 @@ def book(loads: dict[Worker, Load], b: Booking) -> None:
 
 
 def prefill_done(loads: dict[Worker, Load], b: Booking) -> None:
+    b.prefilled = True
     cur = loads[b.worker]
     loads[b.worker] = replace(cur, active_prefill_tokens=cur.active_prefill_tokens - b.prompt_tokens,
                               active_prefill_blocks=cur.active_prefill_blocks - b.new_blocks,
                               potential_decode_blocks=cur.potential_decode_blocks + b.decode_blocks)
 
 
-def finished(loads: dict[Worker, Load], b: Booking, prefilled: bool) -> None:
-    if not prefilled:
+def finished(loads: dict[Worker, Load], b: Booking) -> None:
+    if not b.prefilled:
         prefill_done(loads, b)
     cur = loads[b.worker]
     loads[b.worker] = replace(cur, potential_decode_blocks=cur.potential_decode_blocks - b.decode_blocks,

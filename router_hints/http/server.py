@@ -205,39 +205,54 @@ class Router:
         target = decision.choice.worker
         entry = self.entries[target]
         self._count(route, decision)
-        if decision.hint is not None:
-            self.metrics.hints.labels("issued").inc()
-            if self.cfg.post_hints:
-                await self.post_hint(target, decision.hint)
-            if self.cfg.attach_hints and route == "generate":
-                body = front.attach_hint(body, decision.hint)
-                self.metrics.hints.labels("attached").inc()
         source_depth = len(front.hint_hashes(decision.hint))
         booking = front.Booking(target, len(tokens),
                                 max(0, decision.request_blocks - max(decision.choice.overlap.depth, source_depth)),
                                 decision.request_blocks)
-        front.book(self.core.loads, booking)
+        front.book(self.core.loads, booking)  # before any await: concurrent requests see this load
         self.metrics.inflight.labels(entry.name).inc()
-        prefilled = False
         try:
-            timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-            async with self.session.post(entry.url.rstrip("/") + PATHS[route], json=body, timeout=timeout) as up:
+            if decision.hint is not None:
+                body = await self._issue_hint(route, target, body, decision.hint)
+            return await self._relay(request, entry, route, body, booking)
+        finally:
+            front.finished(self.core.loads, booking)
+            self.metrics.inflight.labels(entry.name).dec()
+
+    async def _issue_hint(self, route: str, target: Worker, body: dict, hint: dict) -> dict:
+        self.metrics.hints.labels("issued").inc()
+        if self.cfg.post_hints:
+            await self.post_hint(target, hint)
+        if self.cfg.attach_hints and route == "generate":
+            self.metrics.hints.labels("attached").inc()
+            return front.attach_hint(body, hint)
+        return body
+
+    async def _relay(self, request: web.Request, entry: WorkerEntry, route: str, body: dict,
+                     booking: front.Booking) -> web.StreamResponse:
+        """Forward the body; stream the answer back as it comes (a long generation has no total
+        deadline, only one per read)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.cfg.request_timeout_s)
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        resp: web.StreamResponse | None = None
+        try:
+            async with self.session.post(entry.url.rstrip("/") + PATHS[route], json=body, timeout=timeout,
+                                         headers=headers) as up:
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
-                    if not prefilled:
+                    if not booking.prefilled:
                         front.prefill_done(self.core.loads, booking)
-                        prefilled = True
                     await resp.write(chunk)
                 await resp.write_eof()
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.upstream_errors.labels(entry.name).inc()
+            if resp is not None:  # the answer has started: it can only be cut short
+                log.warning("worker %s failed mid-answer: %r", entry.name, exc)
+                return resp
             return web.json_response({"error": {"message": f"worker {entry.name} failed: {exc!r}"}}, status=502)
-        finally:
-            front.finished(self.core.loads, booking, prefilled)
-            self.metrics.inflight.labels(entry.name).dec()
 
     def _count(self, route: str, decision: Route) -> None:
         self.metrics.decisions.labels(self.entries[decision.choice.worker].name, route).inc()

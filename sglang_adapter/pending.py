@@ -1,0 +1,84 @@
+"""Claims `batch_exists` took at peers, waiting for `batch_get` (thread-safe; no I/O).
+
+A claim covers a run of keys. Two requests may share a first key and then diverge, so claims are
+found by their whole run: a read only ever collects the claim whose keys are exactly the keys it
+reads, never another request's pages.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Pending:
+    conf: Any            # kvcr.peer.Confirmation
+    page_hexes: list[str]
+    since: float
+
+
+class PendingClaims:
+    def __init__(self) -> None:
+        self._by_first: dict[str, list[Pending]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, pending: Pending) -> None:
+        with self._lock:
+            self._by_first.setdefault(pending.page_hexes[0], []).append(pending)
+
+    def _match(self, keys: list[str], pos: int) -> Pending | None:
+        for p in self._by_first.get(keys[pos], ()):
+            n = min(len(p.page_hexes), len(keys) - pos)
+            if p.page_hexes[:n] == keys[pos:pos + n]:
+                return p
+        return None
+
+    def covered(self, keys: list[str], start: int) -> int:
+        """How far from `start` whole claimed runs of exactly these keys reach."""
+        with self._lock:
+            while start < len(keys) and (p := self._match(keys, start)) is not None \
+                    and len(p.page_hexes) <= len(keys) - start:
+                start += len(p.page_hexes)
+        return start
+
+    def take(self, keys: list[str], pos: int) -> Pending | None:
+        """Remove and return the claim whose run starts with keys[pos:] (or is their prefix)."""
+        with self._lock:
+            p = self._match(keys, pos)
+            if p is not None:
+                self._remove(p)
+            return p
+
+    def _remove(self, p: Pending) -> None:
+        runs = self._by_first[p.page_hexes[0]]
+        runs.remove(p)
+        if not runs:
+            del self._by_first[p.page_hexes[0]]
+
+    def take_starting_in(self, keys: list[str]) -> list[Pending]:
+        """Every claim whose run starts at one of `keys` (a prefetch over them ended)."""
+        wanted = set(keys)
+        with self._lock:
+            gone = [p for first, runs in self._by_first.items() if first in wanted for p in runs]
+            for p in gone:
+                self._remove(p)
+        return gone
+
+    def expire(self, now: float, ttl_s: float) -> list[Pending]:
+        with self._lock:
+            gone = [p for runs in self._by_first.values() for p in runs if now - p.since > ttl_s]
+            for p in gone:
+                self._remove(p)
+        return gone
+
+    def drain(self) -> list[Pending]:
+        with self._lock:
+            gone = [p for runs in self._by_first.values() for p in runs]
+            self._by_first.clear()
+        return gone
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(runs) for runs in self._by_first.values())
