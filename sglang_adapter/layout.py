@@ -50,6 +50,32 @@ class PageLayout:
         return [list(ptrs[i:i + n]) for i in range(0, len(ptrs), n)]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyLayout:
+    """What one storage key holds of one host pool: `pages` consecutive host pages (span mode:
+    storage_page_size // page_size for KV-like pools; one slot for state pools like Mamba)."""
+
+    page: PageLayout
+    pages: int = 1
+
+    @property
+    def bytes(self) -> int:
+        return self.page.page_bytes * self.pages
+
+    @property
+    def segment_bytes(self) -> tuple[int, ...]:
+        return self.page.segment_bytes * self.pages
+
+    def key_segments(self, pool, host_indices, num_keys: int) -> list[list[int]]:
+        """Per key: its segments' addresses, its `pages` host pages back to back."""
+        slots = self.pages * self.page.page_size
+        if len(host_indices) != num_keys * slots:
+            raise LayoutError(f"{len(host_indices)} host slots for {num_keys} keys; each key takes {slots} "
+                              f"({self.pages} page(s) of {self.page.page_size})")
+        per_page = self.page.page_segments(pool, host_indices)
+        return [[a for page in per_page[k * self.pages:(k + 1) * self.pages] for a in page] for k in range(num_keys)]
+
+
 def gather(segments: Sequence[int], sizes: Sequence[int], dest: int) -> None:
     """Copy one page's segments into contiguous memory at `dest`."""
     offset = 0

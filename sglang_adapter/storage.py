@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -22,6 +23,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransferResult,
 )
 
 from kvcr.config import load_config
@@ -36,7 +40,7 @@ from kvcr.service import Service
 
 from . import hooks
 from .config import parse_adapter_config
-from .layout import PageLayout, gather, scatter
+from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 
@@ -56,6 +60,11 @@ class _Stats:
     backup_seconds: float = 0.0
 
 
+def _pool_name(name) -> str:
+    """SGLang names pools with a str enum (PoolName) or a plain string; the runner with the value."""
+    return name.value if isinstance(name, Enum) else str(name)
+
+
 class KVCRStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = storage_config.extra_config or {}
@@ -68,52 +77,94 @@ class KVCRStorage(HiCacheStorage):
             raise ValueError(f"kvcr: tp_size {storage_config.tp_size} / pp_size {storage_config.pp_size}: the "
                              "in-process runner serves TP = PP = 1; larger deployments need the per-worker sidecar "
                              "runner, which this release does not ship")
+        # Span mode (SGLang after 0.5.23): one storage key covers storage_page_size tokens.
+        self.storage_page_size = getattr(storage_config, "storage_page_size", None)
         self.service: Service | None = None
         self.peer_feed: PeerFeed | None = None
-        self.layout: PageLayout | None = None
+        self.layouts: dict[str, KeyLayout] = {}  # per host pool: what one key holds of it
         self.mem_pool_host = None
         self._pending = PendingClaims()
         # Releases go out on their own thread: a caller (the scheduler's prefetch-ended hook)
         # must not wait on a source's lock held by a transfer in flight.
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
+        self._start_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self.stats = _Stats()
         self.num_claims_expired = 0
+
+    supports_page_spans = True  # the capability upstream's factory asks for before span mode
 
     # --- attach ------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.layout = PageLayout.of(mem_pool_host)
-        if self.service is None:
-            self.service = Service(self._runner_config()).start()
-            if self.runner.puller is not None:  # claims we ask of peers outlive an uncollected prefetch
-                self.runner.puller.lease_s = self.cfg.claim_lease_s
-            if self.cfg.peers and self.cfg.opportunistic:
-                self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint).start()
+        try:
+            self._add_layout(POOL, mem_pool_host)
+        except LayoutError:  # a hybrid model's logical anchor has no pages: its KV pool comes via v2
+            log.info("kvcr: the anchor host pool has no page buffers; waiting for the v2 pools")
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if name not in self.layouts:
+            self._add_layout(name, host_pool)
+
+    def _add_layout(self, name: str, pool) -> None:
+        page = PageLayout.of(pool)
+        kv_page = self.layouts[POOL].page.page_size if POOL in self.layouts else page.page_size
+        span = (self.storage_page_size or kv_page) // kv_page
+        if self.storage_page_size and self.storage_page_size % kv_page:
+            raise ValueError(f"kvcr: storage_page_size {self.storage_page_size} is not a multiple of the page "
+                             f"size {kv_page}")
+        # KV and KV-derived pools hold a span of pages per key; state pools (Mamba) one slot.
+        self.layouts[name] = KeyLayout(page, span if page.page_size == kv_page else 1)
+
+    def on_host_pools_registered(self) -> None:
+        self._start()
+
+    def _start(self) -> Service:
+        with self._start_lock:
+            if self.service is None:
+                if not self.layouts:
+                    raise RuntimeError("kvcr: no host pool with page buffers was registered")
+                self.service = Service(self._runner_config()).start()
+                if self.service.runner.puller is not None:  # claims we take outlive an uncollected prefetch
+                    self.service.runner.puller.lease_s = self.cfg.claim_lease_s
+                if self.cfg.peers and self.cfg.opportunistic:
+                    self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint).start()
+            return self.service
 
     def _runner_config(self):
-        sc, layout = self.storage_config, self.layout
+        sc, kv = self.storage_config, next(iter(self.layouts.values())).page
         model = sc.model_name or self.cfg.model or "default"
-        forced = {"runner.block_size": layout.page_size, "runner.dp_rank": sc.dp_rank,
+        forced = {"runner.block_size": kv.page_size, "runner.dp_rank": sc.dp_rank,
                   "runner.pull_timeout_s": self.cfg.pull_timeout_s, "namespace.model": model,
-                  "namespace.is_mla": sc.is_mla_model, "namespace.dtype": layout.dtype,
+                  "namespace.is_mla": sc.is_mla_model, "namespace.dtype": kv.dtype,
                   # v1 pages are the segments in host-layout order; legacy pages are flat tensors
-                  "namespace.layout": layout.layout if self.interface_v1 else f"flat-{layout.layout}",
-                  "dram.pools": [{"name": POOL, "page_bytes": layout.page_bytes}]}
+                  "namespace.layout": kv.layout if self.interface_v1 else f"flat-{kv.layout}",
+                  "dram.pools": self._pool_configs()}
         # "auto": a peer on this host is copied from its pool mapped read-only (UCX emulates GETs
         # over shared memory, at half the speed); peers elsewhere are read with UCX GETs.
         defaults = {"runner.name": f"sglang-dp{sc.dp_rank}", "runner.peers": ["*"], "runner.transfer": "auto"}
-        return load_config(self.cfg.runner_config or None, {**defaults, **self.cfg.runner, **forced})
+        raw = {**defaults, **self.cfg.runner, **forced}
+        if len(self.layouts) > 1:  # every pool holds as many keys as the others
+            size = load_config(self.cfg.runner_config or None, raw).dram.size
+            keys = size // sum(lay.bytes + 4096 for lay in self.layouts.values())
+            raw["dram.pools"] = [{**p, "size": keys * (lay.bytes + 4096)}
+                                 for p, lay in zip(raw["dram.pools"], self.layouts.values())]
+        return load_config(self.cfg.runner_config or None, raw)
+
+    def _pool_configs(self) -> list[dict]:
+        return [{"name": name, "page_bytes": lay.bytes} for name, lay in self.layouts.items()]
 
     @property
     def runner(self):
-        return self.service.runner
+        return (self.service or self._start()).runner
 
     # --- lookups -----------------------------------------------------------------------------
 
-    def _keys(self, keys: list[str]) -> list[str]:
-        return [self.runner.key(POOL, k) for k in keys]
+    def _keys(self, keys: list[str], pool: str = POOL) -> list[str]:
+        return [self.runner.key(pool, k) for k in keys]
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         self._expire_pending()
@@ -198,16 +249,24 @@ class KVCRStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._read(POOL, keys, host_indices, self.mem_pool_host)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._write(POOL, keys, host_indices, self.mem_pool_host, self._announces(keys, extra_info))
+
+    def _read(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool) -> list[bool]:
+        """Leading pages of `name` into the host slots: ours first, then (KV) what peers confirmed."""
         start = time.perf_counter()
         self._expire_pending()
-        segments = self.layout.page_segments(self.mem_pool_host, host_indices)
-        sizes, runner = self.layout.segment_bytes, self.runner
-        base = runner.region_address
-        with runner.pinned(POOL, self._keys(keys)) as pages:  # the leading pages we hold
+        layout, runner = self.layouts[name], self.runner
+        segments = layout.key_segments(host_pool, host_indices, len(keys))
+        with runner.pinned(name, self._keys(keys, name)) as pages:
             for page, segs in zip(pages, segments):
-                scatter(base + runner.offset(POOL, page.slot), segs, sizes)
+                scatter(runner.region_address + runner.offset(name, page.slot), segs, layout.segment_bytes)
             n = len(pages)
-        n += self._pull_confirmed(keys, segments, n)
+        if name == POOL:
+            n += self._pull_confirmed(keys, segments, n)
         self._count("prefetch", n, start)
         return [i < n for i in range(len(keys))]
 
@@ -221,7 +280,7 @@ class KVCRStorage(HiCacheStorage):
                 break
             want = min(len(pending.page_hexes), len(keys) - first)
             result = self.runner.puller.deliver(pending.conf, segments[first:first + want],
-                                                segments=self.layout.segment_bytes)
+                                                segments=self.layouts[POOL].segment_bytes)
             if result.uncertain:
                 # A GET may still land in host pages SGLang will reuse: the one safe way out.
                 log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
@@ -232,21 +291,22 @@ class KVCRStorage(HiCacheStorage):
                 break
         return delivered
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def _write(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool,
+               announces: list[Announce] | None = None) -> list[bool]:
+        """Back up host pages; a key already present (or being written) counts as stored."""
         start = time.perf_counter()
-        segments = self.layout.page_segments(self.mem_pool_host, host_indices)
-        sizes, runner = self.layout.segment_bytes, self.runner
+        layout, runner = self.layouts[name], self.runner
+        segments = layout.key_segments(host_pool, host_indices, len(keys))
         try:
-            fill = runner.reserve(POOL, self._keys(keys), self._announces(keys, extra_info), lease_s=math.inf)
+            fill = runner.reserve(name, self._keys(keys, name), announces, lease_s=math.inf)
         except (PoolError, EventError) as exc:  # no room, or announces the runner cannot use
-            log.warning("kvcr: backup of %d pages refused: %s", len(keys), exc)
+            log.warning("kvcr: backup of %d %s pages refused: %s", len(keys), name, exc)
             return [False] * len(keys)
         ok = True
         try:
             for page, segs in zip(fill.pages, segments):
-                if isinstance(page, Page):  # a present (or in-flight) key needs no copy: success
-                    gather(segs, sizes, runner.region_address + runner.offset(POOL, page.slot))
+                if isinstance(page, Page):
+                    gather(segs, layout.segment_bytes, runner.region_address + runner.offset(name, page.slot))
         except BaseException:
             ok = False
             raise
@@ -255,14 +315,54 @@ class KVCRStorage(HiCacheStorage):
         self._count("backup", len(keys), start)
         return [True] * len(keys)
 
+    # --- v2: several host pools per key (hybrid models; span mode) ------------------------------
+
+    def _transfers(self, transfers, io) -> dict[str, list[bool]]:
+        out = {}
+        for t in transfers:
+            name, keys = _pool_name(t.name), list(t.keys or [])
+            if name not in self.layouts:
+                log.warning("kvcr: pool %s was never registered", name)
+                out[t.name] = [False] * len(keys)
+                continue
+            try:
+                out[t.name] = io(name, keys, t.host_indices, self.registered_pools[t.name])
+            except LayoutError as exc:  # the transfer's slots do not fit the pool's stride: refused
+                log.warning("kvcr: %s transfer refused: %s", name, exc)
+                out[t.name] = [False] * len(keys)
+        return out
+
+    def batch_get_v2(self, transfers, extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._transfers(transfers, self._read)
+
+    def batch_set_v2(self, transfers, extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._transfers(transfers, self._write)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers=None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """KV's leading hit (peers included), cut to where every other pool can restore too."""
+        kv = self.batch_exists(keys, extra_info)
+        hits = {PoolName.KV: kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        for t in pool_transfers or []:
+            name = _pool_name(t.name)
+            held = [tier != TIER_ABSENT for tier in self.runner.tiers(name, self._keys(keys[:kv], name))] \
+                if name in self.layouts else [False] * kv
+            ok = _restorable(held, t.hit_policy, len(t.keys or ()) or 1)
+            if ok:
+                hits[t.name] = max(ok)
+            restorable &= ok
+        best = max(restorable, default=0)
+        return PoolTransferResult(best, hits, sorted(restorable))
+
     def _announces(self, keys: list[str], extra_info) -> list[Announce | None] | None:
         """Announces need the pages' tokens: SGLang 0.5.23 passes none unless the launcher's backup
         hook adds `token_ids` (the call's pages, in order). Without them pages are stored, not announced."""
         info = (extra_info.extra_info or {}) if extra_info is not None else {}
         tokens = info.get("token_ids")
-        p = self.layout.page_size
-        if not tokens or len(tokens) != len(keys) * p:
-            return None
+        p = self.layouts[POOL].page.page_size
+        if not tokens or len(tokens) != len(keys) * p or self.layouts[POOL].pages > 1:
+            return None  # no tokens, or a span (several engine blocks per key): stored, not announced
         prefix = extra_info.prefix_keys or []
         parent_key = info.get("parent_key", prefix[-1] if prefix else None)
         parent = hash_str_to_int64(parent_key) if parent_key else None
@@ -317,7 +417,8 @@ class KVCRStorage(HiCacheStorage):
     # --- admin -------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        self.runner.clear(POOL)
+        for name in self.layouts:
+            self.runner.clear(name)
 
     def get_stats(self):
         from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -327,7 +428,7 @@ class KVCRStorage(HiCacheStorage):
         metrics = StorageMetrics()
         metrics.prefetch_pgs.append(s.prefetch_pages)
         metrics.backup_pgs.append(s.backup_pages)
-        page = self.layout.page_bytes / 2**30
+        page = self.layouts[POOL].bytes / 2**30
         metrics.prefetch_bandwidth.append(s.prefetch_pages * page / s.prefetch_seconds if s.prefetch_seconds else 0)
         metrics.backup_bandwidth.append(s.backup_pages * page / s.backup_seconds if s.backup_seconds else 0)
         return metrics
@@ -344,3 +445,14 @@ class KVCRStorage(HiCacheStorage):
             self._releaser.shutdown(wait=True)
             self.service.stop()
             self.service = None
+
+
+def _restorable(held: list[bool], policy, trailing: int) -> set[int]:
+    """Prefix lengths (in keys) a pool can restore: every page (ALL_PAGES) or only the last
+    `trailing` (TRAILING_PAGES: state pools keep a window ending at the prefix)."""
+    if policy == PoolHitPolicy.ALL_PAGES:
+        n = next((i for i, h in enumerate(held) if not h), len(held))
+        return set(range(1, n + 1))
+    if policy == PoolHitPolicy.TRAILING_PAGES:
+        return {n for n in range(1, len(held) + 1) if all(held[max(0, n - trailing):n])}
+    raise ValueError(f"kvcr: unsupported pool hit policy {policy}")

@@ -199,3 +199,82 @@ def test_a_hint_naming_an_unreachable_peer_is_a_miss_not_an_error(backends):
     envelope = build_envelope("tcp://127.0.0.1:9", [hash_str_to_int64(k) & U64_MASK for k in keys])  # nobody there
     assert backend.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"kv_hints": envelope})) == 0
     assert backend.claims_pending() == 0
+
+
+SPAN = 4  # host pages per storage key in span mode
+
+
+def span_backend(backends_made: list):
+    """Span mode as SGLang after 0.5.23 sets it up (storage_page_size on the config, pools
+    registered through v2), synthesized on 0.5.23's real pools: a KV pool and, standing in for a
+    Mamba state pool, a pool with one slot per page."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    kv_pool, state_pool = mha_pool("page_first", page=PAGE, tokens=512), mha_pool("page_first", page=1, tokens=64)
+    cfg = storage_config(layout="page_first")
+    cfg.storage_page_size = SPAN * PAGE  # the upstream field 0.5.23 lacks
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, kv_pool)
+    backends_made.append(backend)
+    assert backend.supports_page_spans
+    backend.register_mem_pool_host(kv_pool)
+    backend.register_mem_host_pool_v2(kv_pool, PoolName.KV)
+    backend.register_mem_host_pool_v2(state_pool, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    return backend, kv_pool, state_pool
+
+
+@pytest.fixture
+def span():
+    made = []
+    yield lambda: span_backend(made)
+    for b in made:
+        b.close()
+
+
+def transfers(kv_idx, state_idx, keys, *, state_keys=None):
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    return [PoolTransfer(PoolName.KV, host_indices=kv_idx, keys=keys),
+            PoolTransfer(PoolName.MAMBA, host_indices=state_idx, keys=state_keys or keys,
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+
+
+def test_span_mode_keeps_a_span_of_kv_pages_and_one_state_slot_per_key(span):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend, kv_pool, state_pool = span()
+    keys = keys_for(3, seed=21)
+    kv_src, st_src = kv_pool.alloc(3 * SPAN * PAGE), state_pool.alloc(3)
+    fill(kv_pool, kv_src, seed=1)
+    fill(state_pool, st_src, seed=2)
+    assert backend.batch_set_v2(transfers(kv_src, st_src, keys)) == {PoolName.KV: [True] * 3,
+                                                                       PoolName.MAMBA: [True] * 3}
+    result = backend.batch_exists_v2(keys + keys_for(1, seed=22), transfers(None, None, keys, state_keys=keys[-1:]))
+    assert result.kv_hit_pages == 3 and result.restorable_prefix_pages == [1, 2, 3]
+    kv_dst, st_dst = kv_pool.alloc(3 * SPAN * PAGE), state_pool.alloc(3)
+    got = backend.batch_get_v2(transfers(kv_dst, st_dst, keys))
+    assert got == {PoolName.KV: [True] * 3, PoolName.MAMBA: [True] * 3}
+    assert page_bytes(kv_pool, kv_dst) == page_bytes(kv_pool, kv_src)
+    assert page_bytes(state_pool, st_dst) == page_bytes(state_pool, st_src)
+
+
+def test_a_state_pool_restores_only_prefixes_that_end_on_a_saved_state(span):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    backend, kv_pool, state_pool = span()
+    keys = keys_for(3, seed=23)
+    backend.batch_set_v1(keys, kv_pool.alloc(3 * SPAN * PAGE))  # v1 in span mode: a key covers SPAN pages
+    state = PoolTransfer(PoolName.MAMBA, host_indices=state_pool.alloc(1), keys=keys[2:])
+    assert backend.batch_set_v2([state]) == {PoolName.MAMBA: [True]}
+    result = backend.batch_exists_v2(keys, transfers(None, None, keys, state_keys=keys[-1:]))
+    assert result.kv_hit_pages == 3 and result.restorable_prefix_pages == [3]
+
+
+def test_a_transfer_whose_slots_do_not_match_the_span_is_refused(span):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    backend, kv_pool, _ = span()
+    keys = keys_for(2, seed=24)
+    short = PoolTransfer(PoolName.KV, host_indices=kv_pool.alloc(2 * PAGE), keys=keys)  # one page per key
+    assert backend.batch_set_v2([short]) == {PoolName.KV: [False, False]}
+    assert backend.batch_exists(keys) == 0

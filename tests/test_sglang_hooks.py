@@ -105,6 +105,7 @@ def test_the_literal_kvcr_backend_becomes_sglangs_dynamic_backend(tmp_path, argv
     assert server_args.hicache_storage_backend == "dynamic" and server_args.enable_hierarchical_cache
     extra = json.loads(server_args.hicache_storage_backend_extra_config)
     assert {k: extra[k] for k in DYNAMIC} == DYNAMIC
+    assert extra["hicache_storage_pass_prefix_keys"] is True  # announces chain to their parents
     if "@" in argv[-1]:
         assert extra["prefetch_timeout_base"] == 9 and extra["use_posted_hints"] is False
 
