@@ -41,6 +41,7 @@ from kvcr.service import Service
 from . import hooks
 from .config import parse_adapter_config
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
+from .pagemeta import page_announces, restorable
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 
@@ -343,35 +344,25 @@ class KVCRStorage(HiCacheStorage):
         """KV's leading hit (peers included), cut to where every other pool can restore too."""
         kv = self.batch_exists(keys, extra_info)
         hits = {PoolName.KV: kv} if kv else {}
-        restorable = set(range(1, kv + 1))
+        prefixes = set(range(1, kv + 1))
         for t in pool_transfers or []:
             name = _pool_name(t.name)
             held = [tier != TIER_ABSENT for tier in self.runner.tiers(name, self._keys(keys[:kv], name))] \
                 if name in self.layouts else [False] * kv
-            ok = _restorable(held, t.hit_policy, len(t.keys or ()) or 1)
+            ok = restorable(held, PoolHitPolicy(t.hit_policy).value, len(t.keys or ()) or 1)
             if ok:
                 hits[t.name] = max(ok)
-            restorable &= ok
-        best = max(restorable, default=0)
-        return PoolTransferResult(best, hits, sorted(restorable))
+            prefixes &= ok
+        return PoolTransferResult(max(prefixes, default=0), hits, sorted(prefixes))
 
-    def _announces(self, keys: list[str], extra_info) -> list[Announce | None] | None:
-        """Announces need the pages' tokens: SGLang 0.5.23 passes none unless the launcher's backup
-        hook adds `token_ids` (the call's pages, in order). Without them pages are stored, not announced."""
-        info = (extra_info.extra_info or {}) if extra_info is not None else {}
-        tokens = info.get("token_ids")
-        p = self.layouts[POOL].page.page_size
-        if not tokens or len(tokens) != len(keys) * p or self.layouts[POOL].pages > 1:
-            return None  # no tokens, or a span (several engine blocks per key): stored, not announced
-        prefix = extra_info.prefix_keys or []
-        parent_key = info.get("parent_key", prefix[-1] if prefix else None)
-        parent = hash_str_to_int64(parent_key) if parent_key else None
-        out = []
-        for i, key in enumerate(keys):
-            h = hash_str_to_int64(key)
-            out.append(Announce(event_hash=h, parent_hash=parent, token_ids=tuple(tokens[i * p:(i + 1) * p])))
-            parent = h
-        return out
+    def _announces(self, keys: list[str], extra_info) -> list[Announce] | None:
+        """SGLang 0.5.23 passes no tokens unless the launcher's backup hook adds them; a span is
+        several engine blocks per key, which one announce cannot say: both are stored, unannounced."""
+        if extra_info is None or self.layouts[POOL].pages > 1:
+            return None
+        info, prefix = extra_info.extra_info or {}, extra_info.prefix_keys or []
+        return page_announces(keys, info.get("token_ids"), self.layouts[POOL].page.page_size,
+                              info.get("parent_key", prefix[-1] if prefix else None))
 
     def _add_stat(self, name: str, value: float) -> None:
         with self._stats_lock:
@@ -445,14 +436,3 @@ class KVCRStorage(HiCacheStorage):
             self._releaser.shutdown(wait=True)
             self.service.stop()
             self.service = None
-
-
-def _restorable(held: list[bool], policy, trailing: int) -> set[int]:
-    """Prefix lengths (in keys) a pool can restore: every page (ALL_PAGES) or only the last
-    `trailing` (TRAILING_PAGES: state pools keep a window ending at the prefix)."""
-    if policy == PoolHitPolicy.ALL_PAGES:
-        n = next((i for i, h in enumerate(held) if not h), len(held))
-        return set(range(1, n + 1))
-    if policy == PoolHitPolicy.TRAILING_PAGES:
-        return {n for n in range(1, len(held) + 1) if all(held[max(0, n - trailing):n])}
-    raise ValueError(f"kvcr: unsupported pool hit policy {policy}")
