@@ -180,3 +180,68 @@ def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, t
         assert name == "w1" and out["meta_info"]["kvcr"]["peer_pages"] > 0
     finally:
         no_attach.stop()
+
+
+class BrokenEngine:
+    """A recording stub (the one fake here): an engine that answers badly, which no real worker
+    does on purpose. `mode` picks the failure; `bodies` records what the router forwarded."""
+
+    def __init__(self, mode: str) -> None:
+        import http.server
+        import threading
+
+        outer = self
+        self.bodies: list[dict] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if mode == "refuse":
+                    self.send_response(503)
+                    self.send_header("Content-Length", "4")
+                    self.end_headers()
+                    self.wfile.write(b"busy")
+                else:  # "cut": a promised body of 1000 bytes stops after 19: the connection drops
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    self.wfile.write(b'data: {"text": "par')
+                    self.wfile.flush()
+                    self.connection.shutdown(2)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.mark.parametrize("mode, status", [("refuse", 503), ("cut", 200)])
+def test_a_failing_engine_is_passed_through_or_cut_never_answered_twice(runner_factory, tmp_path, mode, status):
+    runner = runner_factory("stubbed", **{"runner.block_size": 16})
+    info = runner.start()
+    engine = BrokenEngine(mode)
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"port": 0}, "workers": [
+        {"name": "s", "url": engine.url, "runner": info["endpoints"]["http"], "engine": "sglang"}]}))
+    from tests.cluster import Child
+
+    front = Child(tmp_path, "router-stub", ["router", "--config", str(cfg)]).start()
+    try:
+        front.wait_ready()
+        code, _, body = http(front.url + "/generate", {"text": "hello there", "stream": True})
+        assert code == status
+        assert body == (b"busy" if mode == "refuse" else b'data: {"text": "par')  # nothing appended
+        assert engine.bodies and "kv_hints" not in engine.bodies[0]
+        metrics = http(front.url + "/metrics")[2].decode()
+        assert ('kvcr_router_upstream_errors_total{worker="s"} 1.0' in metrics) == (mode == "cut")
+    finally:
+        front.stop()
+        engine.close()
