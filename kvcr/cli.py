@@ -109,6 +109,12 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_demo_driver(args: argparse.Namespace) -> int:
+    from .demo.driver import run_process
+
+    return run_process(args)
+
+
 def cmd_sglang(args: argparse.Namespace) -> int:
     from sglang_adapter.launch_server import main as launch
 
@@ -170,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_arguments(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("demo-driver", help="the demo's workload driver (kvcr demo starts it)")
+    from .demo.driver import add_arguments as driver_arguments
+
+    driver_arguments(p)
+    p.set_defaults(func=cmd_demo_driver)
     return parser
 
 

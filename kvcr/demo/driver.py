@@ -1,4 +1,5 @@
-"""Runs the workload against the router: conversations in parallel, each one's turns in order."""
+"""The workload driver (`kvcr demo-driver`, its own process): conversations through the router in
+parallel, each one's turns in order, every outcome appended to a JSON-lines file the demo reads."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Callable
 
 from .httpc import http
 from .workload import Conversation, Phase, Step, pick_pin
@@ -34,7 +36,9 @@ class Outcome:
 
 class Driver:
     def __init__(self, router_url: str, workers: list[str], conversations: list[Conversation], *,
-                 max_tokens: int, concurrency: int) -> None:
+                 max_tokens: int, concurrency: int, record: Callable[[str, object], None] = lambda kind, v: None
+                 ) -> None:
+        self.record = record  # called with ("phase", name) and ("outcome", dict), one at a time
         self.url = router_url
         self.workers = workers
         self.max_tokens = max_tokens
@@ -49,6 +53,7 @@ class Driver:
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="kvcr-demo-client") as pool:
             for phase in phases:
                 self.phase = phase.name
+                self.record("phase", phase.name)
                 by_conv: dict[int, list[Step]] = {}
                 for step in phase.steps:
                     by_conv.setdefault(step.conversation, []).append(step)
@@ -62,6 +67,7 @@ class Driver:
             outcome = self._send(phase, step)
             with self.lock:
                 self.outcomes.append(outcome)
+                self.record("outcome", asdict(outcome))
 
     def _send(self, phase: str, step: Step) -> Outcome:
         messages = self.messages[step.conversation]
@@ -84,3 +90,38 @@ class Driver:
         return Outcome(phase, step.conversation, step.turn, worker, pin is not None, out["usage"]["prompt_tokens"],
                        kv["dram_pages"], kv["nvme_pages"], kv["peer_pages"], kv["stored_pages"], kv["source"],
                        kv["prefill_s"], kv["saved_s"], latency, kv["oracle"])
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--router", required=True, help="the router's base URL")
+    p.add_argument("--workers", required=True, help="worker names, comma-separated")
+    p.add_argument("--out", required=True, help="JSON-lines file the outcomes are appended to")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--info-file", help="written once the driver runs")
+
+
+def run_process(args) -> int:
+    """`kvcr demo-driver`: the whole workload, then a final {"done": true} line."""
+    import os
+    from pathlib import Path
+
+    from .workload import build
+
+    convs, phases = build(args.seed, args.conversations, args.turns)
+    workers = args.workers.split(",")
+    with open(args.out, "a", buffering=1) as out:
+        def record(kind: str, value: object) -> None:
+            out.write(json.dumps({kind: value}) + "\n")
+
+        if args.info_file:
+            tmp = Path(args.info_file + ".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "requests": sum(len(p.steps) for p in phases),
+                                       "phases": [p.name for p in phases]}))
+            os.replace(tmp, args.info_file)
+        Driver(args.router, workers, convs, max_tokens=args.max_tokens, concurrency=len(workers),
+               record=record).run(phases)
+        record("done", True)
+    return 0

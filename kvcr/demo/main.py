@@ -9,16 +9,14 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from ..drivers.shm import sweep_stale
 from ..drivers.ucx_env import SINGLE_HOST_UCX_ENV
-from .driver import Driver
+from .driver import Outcome
 from .httpc import get_json
 from .procs import Child, stop_all
-from .workload import build
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,31 +85,55 @@ class Demo:
         return {w.name: get_json(w.url + "/server_info") for w in self.workers}
 
     def drive(self) -> tuple[list, float]:
+        """Run the workload driver (its own process) and watch it until it is done."""
         a = self.args
-        convs, phases = build(a.seed, a.conversations, a.turns)
-        total = sum(len(p.steps) for p in phases)
-        driver = Driver(self.router.url, [w.name for w in self.workers], convs, max_tokens=a.max_tokens,
-                        concurrency=a.workers)
-        _say(f"[3/4] workload: {a.conversations} conversations x {a.turns} turns in phases "
-             f"{', '.join(p.name for p in phases)} ({total} requests)")
-        failure: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                driver.run(phases)
-            except BaseException as exc:  # reported by the main thread
-                failure.append(exc)
-
+        out = self.tmp / "outcomes.jsonl"
+        driver = Child(self.run_dir / "logs", "driver", [
+            "demo-driver", "--router", self.router.url, "--workers", ",".join(w.name for w in self.workers),
+            "--out", str(out), "--seed", str(a.seed), "--conversations", str(a.conversations),
+            "--turns", str(a.turns), "--max-tokens", str(a.max_tokens)], self.env)
+        self.children.append(driver)
         start = time.monotonic()
-        thread = threading.Thread(target=work, name="kvcr-demo-driver", daemon=True)
-        thread.start()
-        _watch(self, driver, thread, total)
-        if failure:
-            raise failure[0]
-        return driver.outcomes, time.monotonic() - start
+        driver.start()
+        plan = driver.wait_ready()
+        _say(f"[3/4] workload (driver pid {plan['pid']}): {a.conversations} conversations x {a.turns} turns in "
+             f"phases {', '.join(plan['phases'])} ({plan['requests']} requests)")
+        feed = OutcomeFeed(out)
+        _watch(self, feed, driver, plan["requests"])
+        feed.read()
+        if not feed.done:
+            raise RuntimeError(f"the workload driver exited with code {driver.proc.returncode}:\n"
+                               f"{driver.log_path.read_text()[-2000:]}")
+        return feed.outcomes, time.monotonic() - start
 
 
-def _watch(demo: Demo, driver: Driver, thread: threading.Thread, total: int) -> None:
+class OutcomeFeed:
+    """The driver's JSON lines, read as they are appended: the phase, the outcomes, the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.phase = "starting"
+        self.outcomes: list[Outcome] = []
+        self.done = False
+
+    def read(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            while (line := f.readline()).endswith("\n"):  # a half-written line waits for the next read
+                self.offset = f.tell()
+                item = json.loads(line)
+                if "phase" in item:
+                    self.phase = item["phase"]
+                elif "outcome" in item:
+                    self.outcomes.append(Outcome(**item["outcome"]))
+                else:
+                    self.done = self.done or bool(item.get("done"))
+
+
+def _watch(demo: Demo, feed: OutcomeFeed, driver: Child, total: int) -> None:
     """The live view (rich) while the driver runs; plain lines when not on a terminal."""
     from rich.console import Console
     from rich.live import Live
@@ -119,10 +141,12 @@ def _watch(demo: Demo, driver: Driver, thread: threading.Thread, total: int) -> 
     from .report import live_table, oracle_summary
 
     console = Console(stderr=True)
-    live = demo.args.no_live is False and console.is_terminal
     last_events: dict[str, tuple[float, int]] = {}
     rates: dict[str, float] = {}
-    last_phase = None
+
+    def running() -> bool:
+        feed.read()
+        return driver.proc.poll() is None and not feed.done
 
     def frame():
         infos = demo.snapshot()
@@ -131,19 +155,20 @@ def _watch(demo: Demo, driver: Driver, thread: threading.Thread, total: int) -> 
             t0, e0 = last_events.get(name, (now, info["tiers"]["events"]))
             rates[name] = (info["tiers"]["events"] - e0) / (now - t0) if now > t0 else 0.0
             last_events[name] = (now, info["tiers"]["events"])
-        return live_table(driver.phase, len(driver.outcomes), total, infos, rates, oracle_summary(driver.outcomes))
+        return live_table(feed.phase, len(feed.outcomes), total, infos, rates, oracle_summary(feed.outcomes))
 
-    if live:
+    if not demo.args.no_live and console.is_terminal:
         with Live(frame(), console=console, refresh_per_second=4) as view:
-            while thread.is_alive():
-                thread.join(0.5)
+            while running():
+                time.sleep(0.5)
                 view.update(frame())
         return
-    while thread.is_alive():
-        thread.join(2.0)
-        if driver.phase != last_phase or not thread.is_alive():
-            last_phase = driver.phase
-            _say(f"      phase {driver.phase}: {len(driver.outcomes)}/{total} requests done")
+    last_phase = None
+    while running() or last_phase != feed.phase:
+        if feed.phase != last_phase:
+            last_phase = feed.phase
+            _say(f"      phase {feed.phase}: {len(feed.outcomes)}/{total} requests done")
+        time.sleep(0.2)
 
 
 def _verdict(summary: dict) -> list[str]:
