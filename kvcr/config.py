@@ -101,6 +101,7 @@ class PoolConfig:
     name: str = "kv"
     page_bytes: Size = Size(64 * 1024)
     size: Size = Size(0)  # 0: the rest of dram.size
+    shards: int = 1       # TP shards per page, written by each rank of a sidecar's engine
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,6 +260,8 @@ def _validate(cfg: Config) -> None:
         _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", p.name)),
                  f"dram.pools[{i}].name = {p.name!r} may use only letters, digits, '_', '.', '-'")
         _require(p.page_bytes > 0, f"dram.pools[{i}].page_bytes = {p.page_bytes} must be > 0")
+        _require(p.shards >= 1 and p.page_bytes % p.shards == 0,
+                 f"dram.pools[{i}].shards = {p.shards} must be >= 1 and divide page_bytes = {p.page_bytes}")
     fixed = sum(p.size for p in d.pools)
     _require(fixed <= d.size, f"dram.pools sizes add up to {fixed} bytes, more than dram.size = {d.size}")
     sizes = cfg.pool_sizes()

@@ -28,6 +28,7 @@ from .proto.hints import FetchHint
 from .proto.keys import Namespace, storage_key
 from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_stored
 from .proto.relay import RelayStep
+from .proto.shards import ShardGroups
 
 if TYPE_CHECKING:
     from .peer import Confirmation
@@ -38,6 +39,7 @@ class UnknownPool(PoolError):
 
 
 TIER_ABSENT, TIER_DRAM, TIER_NVME = 0, 1, 2
+SHARD_OWNER = "shards"  # owns the fills TP ranks assemble together
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,7 @@ class PoolLayout:
     page_bytes: int
     num_slots: int
     namespace: Namespace
+    shards: int = 1  # TP shards side by side in a page (a sidecar's pool)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -72,7 +75,7 @@ def plan_layout(cfg: Config) -> list[PoolLayout]:
         size = cfg.pool_sizes()[pool.name]
         stride = _round_up(pool.page_bytes, align)
         layouts.append(PoolLayout(pool.name, offset, stride, pool.page_bytes, size // stride,
-                                  cfg.namespace_for(pool)))
+                                  cfg.namespace_for(pool), pool.shards))
         offset = _round_up(offset + size, align)
     return layouts
 
@@ -107,6 +110,7 @@ class Runner:
         self.plane = None  # the UCX data plane, set by the service when peers are served
         self.puller = None  # kvcr.peer.Puller, set with the plane
         self.hints = HintBook(ttl_s=cfg.runner.hint_ttl_s, max_hashes=cfg.runner.max_hinted_hashes)
+        self.shard_groups = ShardGroups()
         self.num_pulled = 0
         self.num_uncertain = 0
         self._publish = publish or (lambda events: 0)
@@ -171,6 +175,30 @@ class Runner:
             n = self.claims.commit(fill_id, owner=owner, ok=ok)
             self._flush_events()
             return n
+
+    def reserve_shard(self, pool: str, keys: Sequence[str], shard: int,
+                      announces: Sequence[Announce | None] | None = None, *, lease_s: float | None = None
+                      ) -> tuple[Fill, int]:
+        """Join (or open) the fill assembling exactly `keys` from TP shards; returns it and the
+        byte offset of `shard` inside each page. The first rank's announces are the page's."""
+        layout = self.layouts[self.pool(pool).name]
+        with self.lock:
+            group = self.shard_groups.find(pool, tuple(keys))
+            if group is None:
+                fill = self.reserve(pool, keys, announces, owner=SHARD_OWNER, lease_s=lease_s)
+                group = self.shard_groups.open(pool, tuple(keys), fill.fill_id, layout.shards)
+            self.shard_groups.join(group, shard)
+            return self.claims.fill(group.fill_id), shard * (layout.page_bytes // layout.shards)
+
+    def commit_shard(self, fill_id: int, shard: int, ok: bool) -> bool | None:
+        """One shard written (or failed). The pages are committed once every shard is in, and
+        discarded as soon as one fails. Returns that verdict (None: others still writing)."""
+        with self.lock:
+            _, verdict = self.shard_groups.commit(fill_id, shard, ok)
+            if verdict is not None:
+                self.commit(fill_id, None if verdict else [False] * len(self.claims.fill(fill_id).pages),
+                            owner=SHARD_OWNER)
+            return verdict
 
     def put(self, pool: str, keys: Sequence[str], pages: Sequence[bytes | memoryview],
             announces: Sequence[Announce | None] | None = None) -> int:
@@ -478,6 +506,8 @@ class Runner:
     def expire(self) -> list[int]:
         with self.lock:
             gone = self.claims.expire(self.clock(), writer_alive=_pid_alive)
+            for item_id in gone:  # a rank that never wrote its shard: the page is gone with the fill
+                self.shard_groups.close(item_id)
             self._flush_events()
             return gone
 

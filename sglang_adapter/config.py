@@ -30,12 +30,16 @@ class AdapterConfig:
     # endpoints) and pull from the one holding the pages when no hint names a source.
     peers: tuple[str, ...] = ()
     opportunistic: bool = True
+    # TP > 1 or MLA: the control endpoint of this worker's (and DP rank's) `kvcr serve` sidecar,
+    # which every rank attaches to (class KVCRSidecarStorage; the launcher picks it).
+    sidecar: str = ""
     # Model identity for the namespace when SGLang names none.
     model: str = ""
 
 
 _TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
-          "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool}
+          "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool,
+          "sidecar": str}
 
 
 def _check(key: str, value: Any, tp: type) -> Any:

@@ -80,7 +80,10 @@ def rewrite_args(argv: list[str]) -> list[str]:
         parse_adapter_config({k: v for k, v in extra.items() if k not in CONTROLLER_KEYS})
     except AdapterConfigError as exc:
         raise LaunchError(str(exc)) from None
-    merged = json.dumps({**DEFAULTS, **extra, **DYNAMIC})
+    # TP > 1 and MLA engines attach every rank to the worker's sidecar runner.
+    backend = {**DYNAMIC, "class_name": "KVCRSidecarStorage", "module_path": "sglang_adapter.sidecar"} \
+        if extra.get("sidecar") else DYNAMIC
+    merged = json.dumps({**DEFAULTS, **extra, **backend})
     if extra_found:
         out[extra_found[0]:extra_found[1] + 1] = [EXTRA_FLAG, merged]
     else:

@@ -76,8 +76,8 @@ class KVCRStorage(HiCacheStorage):
             raise ValueError("kvcr: page_head split (heterogeneous TP) is not supported")
         if storage_config.tp_size > 1 or storage_config.pp_size > 1:
             raise ValueError(f"kvcr: tp_size {storage_config.tp_size} / pp_size {storage_config.pp_size}: the "
-                             "in-process runner serves TP = PP = 1; larger deployments need the per-worker sidecar "
-                             "runner, which this release does not ship")
+                             "in-process runner serves TP = PP = 1; with TP > 1 run a `kvcr serve` sidecar per worker "
+                             "and set the extra-config 'sidecar' (class KVCRSidecarStorage, docs/sglang.md)")
         # Span mode (SGLang after 0.5.23): one storage key covers storage_page_size tokens.
         self.storage_page_size = getattr(storage_config, "storage_page_size", None)
         self.service: Service | None = None

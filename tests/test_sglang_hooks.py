@@ -173,3 +173,10 @@ def test_with_the_launchers_prefetch_timeouts_a_remote_prefetch_loses_no_batch(b
         timeout.cancel()
     assert page_bytes(pool_b, op.host_indices) == page_bytes(pool_a, src)
     hooks.REQUEST_HINTS.pop("rid-budget")
+
+
+def test_a_sidecar_in_the_extra_config_selects_the_attached_backend():
+    args = rewrite_args(["--hicache-storage-backend", "kvcr", "--hicache-storage-backend-extra-config",
+                         '{"sidecar": "tcp://127.0.0.1:5600"}'])
+    extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+    assert (extra["module_path"], extra["class_name"]) == ("sglang_adapter.sidecar", "KVCRSidecarStorage")

@@ -76,7 +76,8 @@ class ControlServer:
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
                           m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
                           m.Persist: self._on_persist, m.Pull: self._on_pull, m.PostHint: self._on_post_hint,
-                          m.SendPages: self._on_send_pages}
+                          m.SendPages: self._on_send_pages, m.ReserveShard: self._on_reserve_shard,
+                          m.CommitShard: self._on_commit_shard}
 
     def start(self, timeout: float = 10.0) -> None:
         self._thread.start()
@@ -246,9 +247,25 @@ class ControlServer:
             raise m.ProtocolError(f"reserve has {len(msg.keys)} keys but {len(announces)} announces")
         fill = self.runner.reserve(msg.pool, [self._key(msg.pool, k) for k in msg.keys], announces, owner=owner,
                                    lease_s=msg.lease_s or None, writer_pid=msg.writer_pid)
-        offsets = [self.runner.offset(msg.pool, p.slot) if isinstance(p, Page) else
-                   OFFSET_PRESENT if p is None else OFFSET_IN_FLIGHT for p in fill.pages]
-        return m.Reserved(fill_id=fill.fill_id, offsets=offsets)
+        return m.Reserved(fill_id=fill.fill_id, offsets=self._offsets(msg.pool, fill.pages))
+
+    def _on_reserve_shard(self, msg: m.ReserveShard, owner: str) -> m.Message:
+        _check_lease(msg.lease_s)
+        announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
+        if announces is not None and len(announces) != len(msg.keys):
+            raise m.ProtocolError(f"reserve_shard has {len(msg.keys)} keys but {len(announces)} announces")
+        fill, shard_offset = self.runner.reserve_shard(msg.pool, [self._key(msg.pool, k) for k in msg.keys],
+                                                       msg.shard, announces, lease_s=msg.lease_s or None)
+        return m.ShardReserved(fill_id=fill.fill_id, offsets=self._offsets(msg.pool, fill.pages),
+                               shard_offset=shard_offset)
+
+    def _on_commit_shard(self, msg: m.CommitShard, owner: str) -> m.Message:
+        verdict = self.runner.commit_shard(msg.fill_id, msg.shard, bool(msg.ok))
+        return m.ShardCommitted(verdict="waiting" if verdict is None else "committed" if verdict else "discarded")
+
+    def _offsets(self, pool: str, pages: list) -> list[int]:
+        return [self.runner.offset(pool, p.slot) if isinstance(p, Page) else
+                OFFSET_PRESENT if p is None else OFFSET_IN_FLIGHT for p in pages]
 
     def _on_commit(self, msg: m.Commit, owner: str) -> m.Message:
         return m.Committed(num_committed=self.runner.commit(msg.fill_id, msg.ok or None, owner=owner))

@@ -119,6 +119,12 @@ class ClaimTable:
             raise ClaimError(f"claim {claim_id} belongs to {claim.owner!r}, not {owner!r}")
         return claim
 
+    def fill(self, fill_id: int) -> Fill:
+        fill = self._fills.get(fill_id)
+        if fill is None:
+            raise ClaimError(f"fill {fill_id} is not open (committed, aborted or expired)")
+        return fill
+
     def peek(self, claim_id: int) -> Claim | None:
         """The held (or recently expired) claim with this id, without changing anything."""
         return self._claims.get(claim_id) or self._tombstones.get(claim_id)

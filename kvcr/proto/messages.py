@@ -14,7 +14,7 @@ import msgpack
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
-CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "ucx_tag", "tiers", "move", "posted_hints")
+CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "ucx_tag", "tiers", "move", "posted_hints", "shards")
 
 
 class ProtocolError(ValueError):
@@ -177,6 +177,45 @@ class Reserved(Message):
     TYPE = "reserved"
     fill_id: int = 0
     offsets: list = field(default_factory=list)
+
+
+@_msg
+class ReserveShard(Message):
+    """A TP rank joins the fill assembling exactly `keys` (opened by the first rank to ask)."""
+
+    TYPE = "reserve_shard"
+    pool: str = "kv"
+    keys: list = field(default_factory=list)
+    shard: int = 0
+    announces: list = field(default_factory=list)
+    lease_s: float = 0.0
+
+
+@_msg
+class ShardReserved(Message):
+    """Per key: the page's region offset (-1 present, -2 being written by another fill), plus
+    this shard's offset inside a page."""
+
+    TYPE = "shard_reserved"
+    fill_id: int = 0
+    offsets: list = field(default_factory=list)
+    shard_offset: int = 0
+
+
+@_msg
+class CommitShard(Message):
+    TYPE = "commit_shard"
+    fill_id: int = 0
+    shard: int = 0
+    ok: bool = True
+
+
+@_msg
+class ShardCommitted(Message):
+    """`verdict`: "committed" (every shard is in), "discarded" (one failed) or "waiting"."""
+
+    TYPE = "shard_committed"
+    verdict: str = "waiting"
 
 
 @_msg

@@ -1,0 +1,159 @@
+"""`KVCRSidecarStorage`: every TP rank of an SGLang worker attaches to one `kvcr serve` sidecar
+(per worker and DP rank) that owns the pages of all shards.
+
+A sidecar page holds every rank's shard side by side (`dram.pools[].shards`); each rank writes
+and reads its own slice through the sidecar's shared-memory pool (same host), and the sidecar
+makes a page visible, announces it and evicts it as one: only when every shard is in. Under MLA
+the ranks hold the same KV, so a page is one shard the writer rank backs up and every rank reads.
+Peers pull whole pages from sidecar to sidecar; the ranks then read their slices locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvcr.client import ControlClient, ControlError
+from kvcr.drivers.shm import Region
+from kvcr.proto import messages as m
+
+from . import hooks
+from .config import AdapterConfigError, parse_adapter_config
+from .layout import KeyLayout, PageLayout, gather, scatter
+from .pagemeta import page_announces
+
+log = logging.getLogger(__name__)
+POOL = "kv"
+SHARD_LEASE_S = 30.0  # every rank's backup of a batch must land within this, or the pages are dropped
+
+
+class KVCRSidecarStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        self.cfg = parse_adapter_config(storage_config.extra_config)
+        if not self.cfg.sidecar:
+            raise AdapterConfigError("kvcr extra-config 'sidecar' (the sidecar's control endpoint) is required for "
+                                     "KVCRSidecarStorage")
+        self.storage_config = storage_config
+        mla = storage_config.is_mla_model
+        self.shard, self.shards = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
+        self._lock = threading.Lock()  # one socket, one request at a time
+        self.client = ControlClient(self.cfg.sidecar, timeout_s=self.cfg.pull_timeout_s)
+        self.info = self.client.info()
+        self.region = Region.attach(self.info["shm_path"], writable=True)  # mapping is O(1): any pool size
+        self.layout: KeyLayout | None = None
+        self.mem_pool_host = None
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.layout = KeyLayout(PageLayout.of(mem_pool_host))
+        self._check_sidecar()
+
+    def _check_sidecar(self) -> None:
+        """The sidecar's pool must hold exactly our shards of our model: refuse naming both sides."""
+        sc, page = self.storage_config, self.layout.page
+        pool = next((p for p in self.info["pools"] if p["name"] == POOL), None)
+        if pool is None:
+            raise ValueError(f"kvcr sidecar {self.cfg.sidecar} has no pool {POOL!r}")
+        ns = pool["namespace"]
+        want = {"page_bytes": page.page_bytes * self.shards, "block_size": page.page_size,
+                "model": sc.model_name or self.cfg.model or "default", "mla": sc.is_mla_model,
+                "layout": page.layout, "dtype": page.dtype}
+        have = {"page_bytes": pool["page_bytes"], "block_size": self.info["block_size"], "model": ns["model"],
+                "mla": ns["mla"], "layout": ns["layout"], "dtype": ns["dtype"]}
+        diff = [f"{k}: sidecar {have[k]!r}, this rank {want[k]!r}" for k in want if have[k] != want[k]]
+        if diff:
+            raise ValueError(f"kvcr sidecar {self.cfg.sidecar} does not hold this engine's pages: " + "; ".join(diff))
+
+    def _request(self, msg: m.Message) -> m.Message:
+        with self._lock:
+            return self.client.request(msg)
+
+    # --- lookups -----------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        try:
+            tiers = self._request(m.Lookup(pool=POOL, keys=list(keys))).tiers
+            local = next((i for i, t in enumerate(tiers) if t == 0), len(keys))
+            if local == len(keys):
+                return local
+            raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
+            raw = raw if raw is not None else hooks.current_hints()
+            if raw is not None and self.cfg.use_request_hints:
+                self._request(m.PostHint(envelope=raw))
+            # The sidecar pulls whole pages (every shard) from the hinted peer; the count is what it holds.
+            return local + self._request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
+        except (ControlError, TimeoutError) as exc:
+            log.warning("kvcr sidecar lookup failed: %s", exc)
+            return 0
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # --- zero-copy interface -------------------------------------------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
+        try:
+            granted = self._request(m.ClaimRequest(pool=POOL, keys=list(keys)))
+        except (ControlError, TimeoutError) as exc:
+            log.warning("kvcr sidecar claim failed: %s", exc)
+            return [False] * len(keys)
+        n = len(granted.offsets)
+        slice_at = self.shard * self.layout.bytes
+        try:
+            for offset, segs in zip(granted.offsets, segments):  # claimed: pinned while we copy
+                scatter(self.region.address + offset + slice_at, segs, self.layout.segment_bytes)
+        finally:
+            self._request(m.ReleaseRequest(claim_id=granted.claim_id))
+        return [i < n for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
+        info = (extra_info.extra_info or {}) if extra_info is not None else {}
+        prefix = (extra_info.prefix_keys or []) if extra_info is not None else []
+        announces = page_announces(keys, info.get("token_ids"), self.layout.page.page_size,
+                                   info.get("parent_key", prefix[-1] if prefix else None))
+        try:
+            reply = self._request(m.ReserveShard(pool=POOL, keys=list(keys), shard=self.shard,
+                                                 announces=[a.to_wire() for a in announces] if announces else [],
+                                                 lease_s=SHARD_LEASE_S))
+        except (ControlError, TimeoutError) as exc:
+            log.warning("kvcr sidecar refused a backup of %d pages: %s", len(keys), exc)
+            return [False] * len(keys)
+        ok = True
+        try:
+            for offset, segs in zip(reply.offsets, segments):
+                if offset >= 0:  # -1: present, -2: being written by another fill (counts as stored)
+                    gather(segs, self.layout.segment_bytes, self.region.address + offset + reply.shard_offset)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            self._request(m.CommitShard(fill_id=reply.fill_id, shard=self.shard, ok=ok))
+        return [True] * len(keys)
+
+    # --- admin -------------------------------------------------------------------------------
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        raise NotImplementedError("KVCRSidecarStorage serves the zero-copy interface: set interface_v1")
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        raise NotImplementedError("KVCRSidecarStorage serves the zero-copy interface: set interface_v1")
+
+    def get(self, key, target_location=None, target_sizes=None):
+        return self.batch_get([key])
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def clear(self) -> None:
+        log.warning("kvcr: clear the sidecar itself (its pages serve every rank): restart it, or remove keys")
+
+    def close(self) -> None:
+        self.region.close()
+        self.client.close()
