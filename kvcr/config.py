@@ -125,6 +125,8 @@ class NamespaceConfig:
     is_mla: bool = False
     layout: str = "page_first"
     dtype: str = "float16"
+    cp_size: int = 1
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,6 +208,7 @@ class Config:
         try:
             return Namespace(model=ns.model, tp_size=ns.tp_size, tp_rank=ns.tp_rank, pp_size=ns.pp_size,
                              pp_rank=ns.pp_rank, is_mla=ns.is_mla, layout=ns.layout, dtype=ns.dtype,
+                             cp_size=ns.cp_size, cp_rank=ns.cp_rank,
                              page_size=self.runner.block_size, components=((pool.name, pool.page_bytes),))
         except KeyFormatError as exc:
             raise ConfigError(str(exc)) from None

@@ -36,6 +36,9 @@ class KVCRSidecarStorage(HiCacheStorage):
         if not self.cfg.sidecar:
             raise AdapterConfigError("kvcr extra-config 'sidecar' (the sidecar's control endpoint) is required for "
                                      "KVCRSidecarStorage")
+        if storage_config.attn_cp_size > 1 or storage_config.pp_size > 1:
+            raise ValueError(f"kvcr sidecar: attention CP {storage_config.attn_cp_size} / PP {storage_config.pp_size} "
+                             "> 1 is not supported (a sidecar page holds the TP shards of one CP/PP rank)")
         self.storage_config = storage_config
         mla = storage_config.is_mla_model
         self.shard, self.shards = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)

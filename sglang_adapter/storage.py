@@ -141,6 +141,7 @@ class KVCRStorage(HiCacheStorage):
         forced = {"runner.block_size": kv.page_size, "runner.dp_rank": sc.dp_rank,
                   "runner.pull_timeout_s": self.cfg.pull_timeout_s, "namespace.model": model,
                   "namespace.is_mla": sc.is_mla_model, "namespace.dtype": kv.dtype,
+                  "namespace.cp_size": sc.attn_cp_size, "namespace.cp_rank": sc.attn_cp_rank,
                   # v1 pages are the segments in host-layout order; legacy pages are flat tensors
                   "namespace.layout": kv.layout if self.interface_v1 else f"flat-{kv.layout}",
                   "dram.pools": self._pool_configs()}

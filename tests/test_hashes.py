@@ -110,3 +110,12 @@ def test_mla_ranks_share_a_namespace():
 def test_storage_key_rejects_non_hex_page_hashes(bad):
     with pytest.raises(keys.KeyFormatError, match="64 lowercase hex"):
         keys.storage_key(bad, "ns")
+
+
+def test_context_parallel_ranks_get_their_own_namespace_and_cp_1_keeps_old_digests():
+    from kvcr.proto.keys import Namespace
+
+    plain = Namespace(model="m")
+    assert "cp" not in plain.fields()
+    ranks = [Namespace(model="m", cp_size=2, cp_rank=r) for r in (0, 1)]
+    assert len({plain.digest, *(n.digest for n in ranks)}) == 3

@@ -147,6 +147,8 @@ class Namespace:
     dtype: str = "float16"
     page_size: int = 16
     components: tuple[tuple[str, int], ...] = ()
+    cp_size: int = 1  # attention context parallelism: ranks hold different tokens' KV
+    cp_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -158,13 +160,17 @@ class Namespace:
             raise KeyFormatError(f"namespace.tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         if not 0 <= self.pp_rank < self.pp_size:
             raise KeyFormatError(f"namespace.pp_rank {self.pp_rank} is outside pp_size {self.pp_size}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise KeyFormatError(f"namespace.cp_rank {self.cp_rank} is outside cp_size {self.cp_size}")
 
     def fields(self) -> dict[str, object]:
         # MLA ranks hold identical KV, so the rank does not separate them.
         rank = "shared" if self.is_mla else f"{self.tp_rank}/{self.tp_size}"
         return {"model": self.model, "tp": rank, "pp": f"{self.pp_rank}/{self.pp_size}",
                 "mla": self.is_mla, "layout": self.layout, "dtype": self.dtype,
-                "page_size": self.page_size, "components": [list(c) for c in self.components]}
+                "page_size": self.page_size, "components": [list(c) for c in self.components],
+                # only with CP > 1, so every digest made before CP existed stays the same
+                **({"cp": f"{self.cp_rank}/{self.cp_size}"} if self.cp_size > 1 else {})}
 
     @property
     def digest(self) -> str:
