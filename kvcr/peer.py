@@ -236,10 +236,11 @@ class Puller:
             return ()
 
     def deliver(self, conf: Confirmation, destinations: Sequence[int] | Sequence[Sequence[int]], *,
-                segments: Sequence[int] | None = None, move: bool = False) -> PullResult:
+                segments: Sequence[int] | None = None, slice_offset: int = 0, move: bool = False) -> PullResult:
         """GET the confirmed pages into `destinations`, then release the claim. A destination is a
         page's address, or with `segments` (the byte sizes of a page's pieces, in order) the
-        addresses of its pieces: an engine's host page need not be contiguous.
+        addresses of its pieces: an engine's host page need not be contiguous. With `slice_offset`
+        the pieces cover only the bytes from there (one TP rank's shard of a sidecar's page).
 
         With `move` (only towards sources that advertise it) the release asks the source to drop
         its copies of the pages we verifiably received, and only those."""
@@ -247,10 +248,13 @@ class Puller:
         n = min(conf.num_pages, len(destinations))
         pieces = [(d,) for d in destinations[:n]] if segments is None else destinations[:n]
         sizes = (conf.page_bytes,) if segments is None else tuple(segments)
-        if sum(sizes) != conf.page_bytes:
+        whole = slice_offset == 0 and sum(sizes) == conf.page_bytes
+        if (slice_offset < 0 or slice_offset + sum(sizes) > conf.page_bytes or (not whole and conf.digests)
+                or (not whole and move)):
             self.release(conf)
-            raise PeerError(f"segments of {sum(sizes)} bytes do not make a page of {conf.page_bytes}")
-        ops = plan_segment_gets(pieces, conf.offsets[:n], sizes, chunks=src.chunks)
+            raise PeerError(f"pieces of {sum(sizes)} bytes from byte {slice_offset} do not fit a page of "
+                            f"{conf.page_bytes} (or a slice was asked with digests or move)")
+        ops = plan_segment_gets(pieces, [o + slice_offset for o in conf.offsets[:n]], sizes, chunks=src.chunks)
         try:
             result = self._transfer(conf, ops)
         except Exception as exc:  # nothing proves the transfer stopped: the buffers are uncertain

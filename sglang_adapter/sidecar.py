@@ -5,25 +5,34 @@ A sidecar page holds every rank's shard side by side (`dram.pools[].shards`); ea
 and reads its own slice through the sidecar's shared-memory pool (same host), and the sidecar
 makes a page visible, announces it and evicts it as one: only when every shard is in. Under MLA
 the ranks hold the same KV, so a page is one shard the writer rank backs up and every rank reads.
-Peers pull whole pages from sidecar to sidecar; the ranks then read their slices locally.
+A request's hint makes each rank claim the pages at the peer's sidecar and GET its own slice
+straight into its host pages; hints the router posted to our sidecar make the sidecar pull whole
+pages, which the ranks then read locally.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvcr.client import ControlClient, ControlError
 from kvcr.drivers.shm import Region
+from kvcr.peer import PeerError, Puller
 from kvcr.proto import messages as m
+from kvcr.proto.hints import HintError, parse_envelope
+from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 
 from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
 from .layout import KeyLayout, PageLayout, gather, scatter
 from .pagemeta import page_announces
+from .pending import Pending, PendingClaims
 
 log = logging.getLogger(__name__)
 POOL = "kv"
@@ -48,6 +57,9 @@ class KVCRSidecarStorage(HiCacheStorage):
         self.region = Region.attach(self.info["shm_path"], writable=True)  # mapping is O(1): any pool size
         self.layout: KeyLayout | None = None
         self.mem_pool_host = None
+        self._puller: Puller | None = None  # made on the first request hint: a UCX worker of our own
+        self._pending = PendingClaims()
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -77,20 +89,63 @@ class KVCRSidecarStorage(HiCacheStorage):
     # --- lookups -----------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        self._give_back(self._pending.expire(time.monotonic(), self.cfg.claim_lease_s))
         try:
             tiers = self._request(m.Lookup(pool=POOL, keys=list(keys))).tiers
             local = next((i for i, t in enumerate(tiers) if t == 0), len(keys))
             if local == len(keys):
                 return local
+            confirmed = self._pending.covered(keys, local)
+            if confirmed > local:
+                return confirmed
             raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
             raw = raw if raw is not None else hooks.current_hints()
             if raw is not None and self.cfg.use_request_hints:
-                self._request(m.PostHint(envelope=raw))
-            # The sidecar pulls whole pages (every shard) from the hinted peer; the count is what it holds.
+                return local + self._confirm(keys, local, raw)
+            # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
             return local + self._request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
             log.warning("kvcr sidecar lookup failed: %s", exc)
             return 0
+
+    def _confirm(self, keys: list[str], local: int, raw: object) -> int:
+        """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim)."""
+        try:
+            hint = parse_envelope(raw)
+        except HintError as exc:
+            log.warning("kvcr: request hint ignored: %s", exc)
+            return 0
+        held = set(hint.block_hashes)
+        depth = next((i for i, k in enumerate(keys[local:]) if hash_str_to_int64(k) & U64_MASK not in held),
+                     len(keys) - local)
+        try:
+            conf = self.puller.confirm(hint.source_control_endpoint, POOL, keys[local:local + depth]) \
+                if depth else None
+        except PeerError as exc:
+            log.warning("kvcr: %s", exc)
+            return 0
+        if conf is None:
+            return 0
+        self._pending.add(Pending(conf, keys[local:local + conf.num_pages], time.monotonic()))
+        return conf.num_pages
+
+    @property
+    def puller(self) -> Puller:
+        if self._puller is None:
+            from kvcr.drivers.ucx_plane import UcxPlane  # loads libucx: only once a rank pulls
+
+            pool = next(p for p in self.info["pools"] if p["name"] == POOL)
+            self._puller = Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]},
+                                  timeout_s=self.cfg.pull_timeout_s, lease_s=self.cfg.claim_lease_s,
+                                  page_bytes={POOL: pool["page_bytes"]}, transport="auto")
+        return self._puller
+
+    def _give_back(self, pending: list[Pending]) -> None:
+        for p in pending:
+            self._releaser.submit(self.puller.release, p.conf, wait=False)
+
+    def prefetch_ended(self, keys: list[str]) -> None:
+        self._give_back(self._pending.take_starting_in(keys))
 
     def exists(self, key) -> bool:
         return self.batch_exists([key]) == 1
@@ -100,19 +155,42 @@ class KVCRSidecarStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
+        n = self._read_local(keys, segments)
+        n += self._pull_slices(keys, segments, n)
+        return [i < n for i in range(len(keys))]
+
+    def _read_local(self, keys: list[str], segments: list[list[int]]) -> int:
+        """This rank's slice of the leading pages the sidecar holds (claimed while we copy)."""
         try:
             granted = self._request(m.ClaimRequest(pool=POOL, keys=list(keys)))
         except (ControlError, TimeoutError) as exc:
             log.warning("kvcr sidecar claim failed: %s", exc)
-            return [False] * len(keys)
-        n = len(granted.offsets)
+            return 0
+        if not granted.offsets:
+            return 0  # nothing held, nothing claimed
         slice_at = self.shard * self.layout.bytes
         try:
-            for offset, segs in zip(granted.offsets, segments):  # claimed: pinned while we copy
+            for offset, segs in zip(granted.offsets, segments):
                 scatter(self.region.address + offset + slice_at, segs, self.layout.segment_bytes)
         finally:
             self._request(m.ReleaseRequest(claim_id=granted.claim_id))
-        return [i < n for i in range(len(keys))]
+        return len(granted.offsets)
+
+    def _pull_slices(self, keys: list[str], segments: list[list[int]], n: int) -> int:
+        """GET this rank's slice of what a peer sidecar confirmed, straight into the host pages."""
+        delivered = 0
+        while n + delivered < len(keys) and (p := self._pending.take(keys, n + delivered)) is not None:
+            first = n + delivered
+            want = min(len(p.page_hexes), len(keys) - first)
+            result = self.puller.deliver(p.conf, segments[first:first + want], segments=self.layout.segment_bytes,
+                                         slice_offset=self.shard * self.layout.bytes)
+            if result.uncertain:  # a GET may still land in host pages SGLang will reuse
+                log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
+                os._exit(70)
+            delivered += result.delivered
+            if result.delivered < want:
+                break
+        return delivered
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -158,5 +236,10 @@ class KVCRSidecarStorage(HiCacheStorage):
         log.warning("kvcr: clear the sidecar itself (its pages serve every rank): restart it, or remove keys")
 
     def close(self) -> None:
+        if self._puller is not None:
+            self._give_back(self._pending.drain())
+            self._releaser.shutdown(wait=True)
+            self._puller.close()
+            self._puller.plane.close()
         self.region.close()
         self.client.close()

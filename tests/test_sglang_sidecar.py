@@ -9,9 +9,13 @@ from tests.sglang_pools import PAGE, fill, keys_for, mha_pool, page_bytes, stora
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from kvcr.client import ControlClient  # noqa: E402
+from kvcr.demo.httpc import http  # noqa: E402
+from kvcr.proto import messages as m  # noqa: E402
 from kvcr.proto.hints import build_envelope  # noqa: E402
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64  # noqa: E402
 from sglang_adapter.layout import PageLayout  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 SIDECAR = {"backend_name": "kvcr", "module_path": "sglang_adapter.sidecar", "class_name": "KVCRSidecarStorage",
            "interface_v1": 1}
@@ -77,24 +81,51 @@ def test_under_mla_the_writer_ranks_pages_hit_on_every_rank(runner_factory, rank
     assert page_bytes(pr, dst) == page_bytes(pw, src)
 
 
-def test_a_worker_pulls_every_shard_from_a_peers_sidecar(runner_factory, ranks):
+def claims_held(info: dict) -> float:
+    text = http(info["endpoints"]["http"] + "/metrics")[2].decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvcr_claims_held "))
+
+
+def two_workers(runner_factory, ranks, keys):
     a_info, b_info = start_sidecar(runner_factory, "sidecar-a", 2), start_sidecar(runner_factory, "sidecar-b", 2)
     a = [ranks(a_info, r, 2) for r in range(2)]
     b = [ranks(b_info, r, 2) for r in range(2)]
-    keys = keys_for(6, seed=33)
     sources = []
     for (backend, pool), seed in zip(a, (4, 5)):
-        src = pool.alloc(6 * PAGE)
+        src = pool.alloc(len(keys) * PAGE)
         fill(pool, src, seed=seed)
-        assert backend.batch_set_v1(keys, src) == [True] * 6
+        assert backend.batch_set_v1(keys, src) == [True] * len(keys)
         sources.append((pool, src))
+    return a_info, b_info, b, sources
+
+
+def read_back(b, sources, keys):
+    for (backend, pool), (src_pool, src) in zip(b, sources):
+        dst = pool.alloc(len(keys) * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * len(keys)
+        assert page_bytes(pool, dst) == page_bytes(src_pool, src)
+
+
+def test_with_a_request_hint_each_rank_gets_its_slice_from_the_peers_sidecar(runner_factory, ranks):
+    keys = keys_for(6, seed=33)
+    a_info, b_info, b, sources = two_workers(runner_factory, ranks, keys)
     hint = HiCacheStorageExtraInfo(extra_info={"kv_hints": build_envelope(
         a_info["endpoints"]["control"], [hash_str_to_int64(k) & U64_MASK for k in keys])})
-    assert [backend.batch_exists(keys, hint) for backend, _ in b] == [6, 6]
-    for (backend, pool), (src_pool, src) in zip(b, sources):
-        dst = pool.alloc(6 * PAGE)
-        assert backend.batch_get_v1(keys, dst) == [True] * 6
-        assert page_bytes(pool, dst) == page_bytes(src_pool, src)
+    assert [backend.batch_exists(keys, hint) for backend, _ in b] == [6, 6]  # each rank's own claim at A
+    read_back(b, sources, keys)
+    with ControlClient(b_info["endpoints"]["control"]) as client:  # straight into host pages: not via B
+        assert client.request(m.Lookup(pool="kv", keys=keys)).num_ready == 0
+    wait_until(lambda: claims_held(a_info) == 0, 5, 0.05, "every rank's claim at A released")
+
+
+def test_with_a_posted_hint_the_sidecar_pulls_whole_pages_for_every_rank(runner_factory, ranks):
+    keys = keys_for(6, seed=34)
+    a_info, b_info, b, sources = two_workers(runner_factory, ranks, keys)
+    with ControlClient(b_info["endpoints"]["control"]) as client:  # what our router does
+        client.request(m.PostHint(envelope=build_envelope(
+            a_info["endpoints"]["control"], [hash_str_to_int64(k) & U64_MASK for k in keys])))
+    assert [backend.batch_exists(keys) for backend, _ in b] == [6, 6]
+    read_back(b, sources, keys)
 
 
 def test_a_sidecar_holding_other_pages_is_refused_by_name(runner_factory, ranks):
