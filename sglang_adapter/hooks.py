@@ -98,7 +98,7 @@ def _with_backup_tokens(method):
     """`_page_backup`: remember each page's tokens and the chain's parent for `_page_set_zero_copy`."""
     @functools.wraps(method)
     def wrapper(self, operation, *args, **kwargs):
-        p = self.page_size
+        p = getattr(self, "storage_page_size", None) or self.page_size  # span mode: SGLang after 0.5.23
         tokens = list(operation.token_ids)
         _context.backup = ({h: tokens[i * p:(i + 1) * p] for i, h in enumerate(operation.hash_value)},
                            {h: (operation.hash_value[i - 1] if i else _parent(operation))

@@ -113,7 +113,7 @@ def test_exhausted_pool_names_itself_and_keeps_existing_pages():
 
 def test_announce_with_wrong_token_count_is_refused():
     pool = make_pool()
-    with pytest.raises(PageSizeError, match="announces 3 token ids, block_size is 4"):
+    with pytest.raises(PageSizeError, match=r"announces 3 token ids for 1 block\(s\), block_size is 4"):
         pool.begin_fill(["k"], [Announce(event_hash=1, parent_hash=None, token_ids=(1, 2, 3))])
 
 

@@ -278,3 +278,26 @@ def test_a_transfer_whose_slots_do_not_match_the_span_is_refused(span):
     short = PoolTransfer(PoolName.KV, host_indices=kv_pool.alloc(2 * PAGE), keys=keys)  # one page per key
     assert backend.batch_set_v2([short]) == {PoolName.KV: [False, False]}
     assert backend.batch_exists(keys) == 0
+
+
+def test_a_span_is_announced_as_its_engine_pages_continuing_the_chain(span):
+    from kvcr.proto.events import BlockStored
+    from kvcr.proto.keys import page_hashes
+
+    backend, kv_pool, _ = span()
+    tokens = list(range(700, 700 + 3 * SPAN * PAGE))
+    keys = page_hashes(tokens, SPAN * PAGE)  # span keys hash SPAN engine pages at a time
+    engine = page_hashes(tokens, PAGE)       # what the engine announces: one block per engine page
+    first = HiCacheStorageExtraInfo(prefix_keys=[], extra_info={"token_ids": tokens[:SPAN * PAGE]})
+    rest = HiCacheStorageExtraInfo(prefix_keys=keys[:1], extra_info={"token_ids": tokens[SPAN * PAGE:]})
+    assert backend.batch_set_v1(keys[:1], kv_pool.alloc(SPAN * PAGE), first) == [True]
+    assert backend.batch_set_v1(keys[1:], kv_pool.alloc(2 * SPAN * PAGE), rest) == [True, True]
+    with backend.runner.lock:
+        stored = [e for e in backend.runner.inventory() if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == [hash_str_to_int64(h) for h in engine]
+    assert stored[0].parent_block_hash is None and all(e.block_size == PAGE for e in stored)
+    with backend.runner.lock:  # the pool's own events, before the runner publishes them
+        pool = backend.runner.pools["kv"]
+        pool.remove([backend.runner.key("kv", keys[2])])
+        removed = pool.take_events()[-1]
+    assert list(removed.block_hashes) == [hash_str_to_int64(h) for h in engine[-SPAN:]]

@@ -231,3 +231,15 @@ def test_posted_hints_name_a_source_for_the_leading_hinted_pages_until_their_ttl
     book.post(hints.parse_envelope(hints.build_envelope("tcp://b:1", [7, 8, 9])), now=0)
     assert len(book) == 4 and book.num_evicted == 2  # the cap drops the oldest hashes
     assert book.expire(now=11) == 4 and len(book) == 0
+
+
+def test_a_multi_block_announce_round_trips_and_must_end_with_its_event_hash():
+    from kvcr.proto.announce import Announce
+    from kvcr.proto.events import EventError
+
+    span = Announce(event_hash=3, parent_hash=None, token_ids=tuple(range(8)), blocks=(1, 2, 3, 3 + 0))
+    assert Announce.from_wire(span.to_wire()) == span and len(span.to_wire()) == 6
+    plain = Announce(event_hash=3, parent_hash=None, token_ids=(1, 2))
+    assert len(plain.to_wire()) == 5 and plain.block_hashes == (3,)  # older peers read it unchanged
+    with pytest.raises(EventError, match="ends with its event_hash"):
+        Announce(event_hash=3, parent_hash=None, token_ids=tuple(range(8)), blocks=(3, 4))

@@ -19,9 +19,21 @@ class Announce:
     token_ids: tuple[int, ...]
     lora_name: str | None = None
     cache_salt: str | None = None
+    # A page that spans several engine pages (SGLang's span mode) is announced as that many
+    # blocks: their event hashes in order, the last one being event_hash. Empty: one block.
+    blocks: tuple[int, ...] = ()
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        return self.blocks or (self.event_hash,)
 
     def __post_init__(self) -> None:
         require_hash("event_hash", self.event_hash)
+        if self.blocks:
+            for h in self.blocks:
+                require_hash("blocks", h)
+            if self.blocks[-1] != self.event_hash or len(self.token_ids) % len(self.blocks):
+                raise EventError("a multi-block announce ends with its event_hash and splits its tokens evenly")
         if self.parent_hash is not None:
             require_hash("parent_hash", self.parent_hash)
             if self.parent_hash == self.event_hash:
@@ -36,15 +48,18 @@ class Announce:
         require_optional_str("cache_salt", self.cache_salt)
 
     def to_wire(self) -> list:
-        return [self.event_hash, self.parent_hash, list(self.token_ids), self.lora_name, self.cache_salt]
+        wire = [self.event_hash, self.parent_hash, list(self.token_ids), self.lora_name, self.cache_salt]
+        return [*wire, list(self.blocks)] if self.blocks else wire  # peers of older minors read 5
 
     @classmethod
     def from_wire(cls, raw: object) -> "Announce":
-        if not isinstance(raw, list) or len(raw) != 5 or not isinstance(raw[2], list):
-            raise EventError("an announce is [event_hash, parent_hash, [token ids], lora_name, cache_salt]")
-        event_hash, parent, tokens, lora_name, cache_salt = raw
+        if not isinstance(raw, list) or len(raw) not in (5, 6) or not isinstance(raw[2], list) \
+                or (len(raw) == 6 and not isinstance(raw[5], list)):
+            raise EventError("an announce is [event_hash, parent_hash, [token ids], lora_name, cache_salt"
+                             "(, [block hashes])]")
+        event_hash, parent, tokens, lora_name, cache_salt = raw[:5]
         return cls(event_hash=event_hash, parent_hash=parent, token_ids=tuple(tokens), lora_name=lora_name,
-                   cache_salt=cache_salt)
+                   cache_salt=cache_salt, blocks=tuple(raw[5]) if len(raw) == 6 else ())
 
 
 def announce_request(tokens: Sequence[int], page_size: int, *, first_page: int = 0, num_pages: int | None = None,

@@ -167,7 +167,7 @@ class DiskIndex:
             if entry.announce is not None:
                 if self._by_event_hash.get(entry.announce.event_hash) == entry.name:
                     del self._by_event_hash[entry.announce.event_hash]
-                hashes.append(entry.announce.event_hash)
+                hashes.extend(entry.announce.block_hashes)
         if hashes:
             self._events.append(BlockRemoved(block_hashes=tuple(hashes), medium=MEDIUM_DISK))
 

@@ -182,9 +182,9 @@ class PagePool:
 
     def _check_announces(self, announces: Sequence[Announce | None]) -> None:
         for a in announces:
-            if a is not None and len(a.token_ids) != self.block_size:
-                raise PageSizeError(f"pool {self.name!r}: a page announces {len(a.token_ids)} token ids, "
-                                    f"block_size is {self.block_size}")
+            if a is not None and len(a.token_ids) != self.block_size * len(a.block_hashes):
+                raise PageSizeError(f"pool {self.name!r}: a page announces {len(a.token_ids)} token ids for "
+                                    f"{len(a.block_hashes)} block(s), block_size is {self.block_size}")
 
     def commit_fill(self, pages: Sequence[Page | InFlight | None], ok: Sequence[bool] | None = None) -> int:
         """Publish filled pages (READY + BlockStored) and free failed ones. Returns pages committed."""
@@ -333,7 +333,7 @@ class PagePool:
             self._evict(used - self._low)
 
     def _record_removed(self, pages: Sequence[Page]) -> None:
-        hashes = tuple(p.announce.event_hash for p in pages if p.announce is not None)
+        hashes = tuple(h for p in pages if p.announce is not None for h in p.announce.block_hashes)
         if hashes:
             self._events.append(BlockRemoved(block_hashes=hashes, medium=self.medium))
 
@@ -354,7 +354,8 @@ def coalesce_announces(announces: Sequence[Announce], block_size: int, medium: s
 
     def flush() -> None:
         if run:
-            out.append(BlockStored(block_hashes=tuple(a.event_hash for a in run), parent_block_hash=run[0].parent_hash,
+            out.append(BlockStored(block_hashes=tuple(h for a in run for h in a.block_hashes),
+                                   parent_block_hash=run[0].parent_hash,
                                    token_ids=tuple(chain.from_iterable(a.token_ids for a in run)),
                                    block_size=block_size, medium=medium, lora_name=run[0].lora_name,
                                    cache_salt=run[0].cache_salt))
