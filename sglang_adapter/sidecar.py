@@ -49,6 +49,7 @@ class KVCRSidecarStorage(HiCacheStorage):
             raise ValueError(f"kvcr sidecar: attention CP {storage_config.attn_cp_size} / PP {storage_config.pp_size} "
                              "> 1 is not supported (a sidecar page holds the TP shards of one CP/PP rank)")
         self.storage_config = storage_config
+        self.interface_v1 = bool((storage_config.extra_config or {}).get("interface_v1"))
         mla = storage_config.is_mla_model
         self.shard, self.shards = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
         self._lock = threading.Lock()  # one socket, one request at a time
@@ -75,7 +76,8 @@ class KVCRSidecarStorage(HiCacheStorage):
         ns = pool["namespace"]
         want = {"page_bytes": page.page_bytes * self.shards, "block_size": page.page_size,
                 "model": sc.model_name or self.cfg.model or "default", "mla": sc.is_mla_model,
-                "layout": page.layout, "dtype": page.dtype}
+                # flat (byte-copy) pages order the bytes otherwise: a sidecar holds one or the other
+                "layout": page.layout if self.interface_v1 else f"flat-{page.layout}", "dtype": page.dtype}
         have = {"page_bytes": pool["page_bytes"], "block_size": self.info["block_size"], "model": ns["model"],
                 "mla": ns["mla"], "layout": ns["layout"], "dtype": ns["dtype"]}
         diff = [f"{k}: sidecar {have[k]!r}, this rank {want[k]!r}" for k in want if have[k] != want[k]]
@@ -218,22 +220,61 @@ class KVCRSidecarStorage(HiCacheStorage):
             self._request(m.CommitShard(fill_id=reply.fill_id, shard=self.shard, ok=ok))
         return [True] * len(keys)
 
-    # --- admin -------------------------------------------------------------------------------
+    # --- byte-copy interface (no interface_v1): this rank's slice as one flat tensor ------------
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        raise NotImplementedError("KVCRSidecarStorage serves the zero-copy interface: set interface_v1")
+        keys = list(keys)
+        try:
+            granted = self._request(m.ClaimRequest(pool=POOL, keys=keys))
+        except (ControlError, TimeoutError) as exc:
+            log.warning("kvcr sidecar claim failed: %s", exc)
+            return [None] * len(keys)
+        out: list = [None] * len(keys)
+        if not granted.offsets:
+            return out
+        size, slice_at = self.layout.bytes, self.shard * self.layout.bytes
+        try:
+            for i, offset in enumerate(granted.offsets):
+                target = target_locations[i] if target_locations is not None else torch.empty(size, dtype=torch.uint8)
+                start = offset + slice_at
+                target.view(torch.uint8).reshape(-1).numpy()[:] = self.region.view[start:start + size]
+                out[i] = target
+        finally:
+            self._request(m.ReleaseRequest(claim_id=granted.claim_id))
+        return out
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        raise NotImplementedError("KVCRSidecarStorage serves the zero-copy interface: set interface_v1")
+        flats = [v.contiguous().view(torch.uint8).reshape(-1).numpy() for v in values]
+        if any(len(f) != self.layout.bytes for f in flats):
+            log.warning("kvcr sidecar: flat pages must be %d bytes", self.layout.bytes)
+            return False
+        try:
+            reply = self._request(m.ReserveShard(pool=POOL, keys=list(keys), shard=self.shard, lease_s=SHARD_LEASE_S))
+        except (ControlError, TimeoutError) as exc:
+            log.warning("kvcr sidecar refused a backup of %d pages: %s", len(keys), exc)
+            return False
+        ok = True
+        try:
+            for offset, flat in zip(reply.offsets, flats):
+                if offset >= 0:
+                    start = offset + reply.shard_offset
+                    self.region.view[start:start + len(flat)] = flat
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            self._request(m.CommitShard(fill_id=reply.fill_id, shard=self.shard, ok=ok))
+        return True
 
     def get(self, key, target_location=None, target_sizes=None):
-        return self.batch_get([key])
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
 
     def clear(self) -> None:
-        log.warning("kvcr: clear the sidecar itself (its pages serve every rank): restart it, or remove keys")
+        """SGLang's flush: every rank asks, the sidecar drops its pages once (the rest find none)."""
+        self._request(m.Remove(pool=POOL, everything=True))
 
     def close(self) -> None:
         if self._puller is not None:

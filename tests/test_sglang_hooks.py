@@ -2,6 +2,7 @@
 
 import json
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from tests.sglang_pools import (  # installs the torchvision stub first
 from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation  # noqa: E402
 from sglang.srt.managers.kv_hints import decode_kv_hints_envelope  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 from kvcr.proto.events import BlockStored  # noqa: E402
@@ -180,3 +182,27 @@ def test_a_sidecar_in_the_extra_config_selects_the_attached_backend():
                          '{"sidecar": "tcp://127.0.0.1:5600"}'])
     extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
     assert (extra["module_path"], extra["class_name"]) == ("sglang_adapter.sidecar", "KVCRSidecarStorage")
+
+
+def test_dynamos_recorded_envelope_drives_a_pull_end_to_end(backends):
+    """tests/data/dynamo_kv_hint.json is the JSON Dynamo's serializer emits for a KvHint (the value
+    its own serialization test asserts), used unchanged: the source runner binds the endpoint it
+    names, and two pages are given keys whose SGLang event hashes are its block hashes (11, 22)."""
+    recorded = json.loads((Path(__file__).parent / "data" / "dynamo_kv_hint.json").read_text())
+    source = recorded["actions"][0]["payload"]["source_control_endpoint"]
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a = backends(pool_a, runner={"dram.size": "4Mi", "runner.control_endpoint": source})
+    b = backends(pool_b)
+    keys = [f"{h:016x}" + "ab" * 24 for h in recorded["actions"][0]["payload"]["block_hashes"]]
+    src = pool_a.alloc(2 * PAGE)
+    fill(pool_a, src, seed=12)
+    assert a.batch_set_v1(keys, src) == [True, True]
+    Scheduler._prefetch_kvcache(idle_scheduler(), request("rid-dynamo", recorded))  # SGLang decodes it
+    cb = controller(b, pool_b)
+    op = PrefetchOperation("rid-dynamo", list(range(2 * PAGE)), prefix_keys=[])
+    op.hash_value, op.host_indices = keys, pool_b.alloc(2 * PAGE)
+    assert b.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"kv_hints": hooks.REQUEST_HINTS.get(
+        "rid-dynamo")})) == 2
+    assert cb._page_transfer(op) == 2
+    assert page_bytes(pool_b, op.host_indices) == page_bytes(pool_a, src)
+    hooks.REQUEST_HINTS.pop("rid-dynamo")

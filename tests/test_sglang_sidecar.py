@@ -35,11 +35,11 @@ def start_sidecar(runner_factory, name: str, shards: int, *, mla: bool = False) 
 def ranks():
     made = []
 
-    def attach(info: dict, tp_rank: int, tp_size: int, *, mla: bool = False):
+    def attach(info: dict, tp_rank: int, tp_size: int, *, mla: bool = False, interface_v1: int = 1):
         pool = mha_pool("page_first", page=PAGE)
         cfg = storage_config(mla, "page_first")
         cfg.tp_rank, cfg.tp_size = tp_rank, tp_size
-        cfg.extra_config = {**SIDECAR, "sidecar": info["endpoints"]["control"]}
+        cfg.extra_config = {**SIDECAR, "sidecar": info["endpoints"]["control"], "interface_v1": interface_v1}
         backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
         backend.register_mem_pool_host(pool)
         backend.on_host_pools_registered()
@@ -132,3 +132,23 @@ def test_a_sidecar_holding_other_pages_is_refused_by_name(runner_factory, ranks)
     info = start_sidecar(runner_factory, "wrong-sidecar", 4)  # pages of 4 shards: this engine has TP 2
     with pytest.raises(ValueError, match="page_bytes: sidecar"):
         ranks(info, 0, 2)
+
+
+def test_the_byte_copy_interface_and_a_flush_through_the_sidecar(runner_factory, ranks):
+    import torch
+
+    shard_bytes = PageLayout.of(mha_pool("page_first", page=PAGE)).page_bytes
+    info = runner_factory("flat-sidecar", **{"dram.pools": [{"name": "kv", "page_bytes": 2 * shard_bytes,
+                                                             "shards": 2}],
+                                             "runner.block_size": PAGE, "namespace.model": "test/model",
+                                             "namespace.layout": "flat-page_first", "namespace.dtype": "bfloat16",
+                                             "namespace.tp_size": 2}).start()
+    r0, r1 = (ranks(info, r, 2, interface_v1=0)[0] for r in range(2))
+    keys = keys_for(3, seed=35)
+    pages = {r: [torch.full((shard_bytes,), 10 * r + i, dtype=torch.uint8) for i in range(3)] for r in (0, 1)}
+    assert r0.batch_set(keys, pages[0]) and r0.batch_exists(keys) == 0  # rank 1's slices are missing
+    assert r1.batch_set(keys, pages[1]) and r1.batch_exists(keys) == 3
+    got = r1.batch_get(keys, [torch.empty(shard_bytes, dtype=torch.uint8) for _ in keys])
+    assert all(torch.equal(g, p) for g, p in zip(got, pages[1]))
+    r0.clear()
+    assert r1.batch_exists(keys) == 0

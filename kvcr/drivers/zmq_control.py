@@ -213,6 +213,8 @@ class ControlServer:
         return m.LookupReply(num_ready=self.runner.lookup(msg.pool, keys), tiers=self.runner.tiers(msg.pool, keys))
 
     def _on_remove(self, msg: m.Remove, owner: str) -> m.Message:
+        if msg.everything:
+            return m.Removed(num_removed=self.runner.clear(msg.pool))
         return m.Removed(num_removed=self.runner.remove(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
 
     def _on_pull(self, msg: m.Pull, owner: str) -> m.Message:

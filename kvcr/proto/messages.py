@@ -86,9 +86,12 @@ class LookupReply(Message):
 
 @_msg
 class Remove(Message):
+    """Drop `keys` from every tier; with `everything`, every page of the pool (SGLang's flush)."""
+
     TYPE = "remove"
     pool: str = "kv"
     keys: list = field(default_factory=list)
+    everything: bool = False
 
 
 @_msg
