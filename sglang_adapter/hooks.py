@@ -2,8 +2,8 @@
 (`python -m sglang_adapter.launch_server`) in every scheduler process:
 
 1. request hints: a request's `kv_hints` reach the storage calls made for it (`extra_info`);
-2. tokens on backup: `batch_set_v1` gets the pages' token ids (and parent key), so stored pages
-   are announced to routers;
+2. tokens on backup: `batch_set_v1` gets the pages' token ids, parent key, extra key and salt,
+   so stored pages are announced to routers with the hashes the engine itself publishes;
 3. prefetch ended: when the scheduler stops a prefetch, the backend gives back the claims the
    prefetch will not collect.
 
@@ -94,15 +94,39 @@ def _record_request_hints(method):
     return wrapper
 
 
+# A backed-up node's first page hash -> its request namespace (extra key, salt): the backup
+# operation carries bare token ids, the tree's node still knows them.
+BACKUP_NAMESPACES: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+_namespaces_lock = threading.Lock()
+
+
+def _record_backup_namespace(method):
+    @functools.wraps(method)
+    def wrapper(self, node_id, *args, **kwargs):
+        spec = method(self, node_id, *args, **kwargs)
+        if spec is not None and spec.hash_value:
+            key = self.node_by_id(node_id).key
+            if key.extra_key is not None or key.cache_salt is not None:
+                with _namespaces_lock:
+                    BACKUP_NAMESPACES[spec.hash_value[0]] = (key.extra_key, key.cache_salt)
+                    while len(BACKUP_NAMESPACES) > MAX_TRACKED_REQUESTS:
+                        BACKUP_NAMESPACES.popitem(last=False)
+        return spec
+    return wrapper
+
+
 def _with_backup_tokens(method):
-    """`_page_backup`: remember each page's tokens and the chain's parent for `_page_set_zero_copy`."""
+    """`_page_backup`: remember each page's tokens, the chain's parent and the request's namespace
+    for `_page_set_zero_copy`."""
     @functools.wraps(method)
     def wrapper(self, operation, *args, **kwargs):
         p = getattr(self, "storage_page_size", None) or self.page_size  # span mode: SGLang after 0.5.23
         tokens = list(operation.token_ids)
+        with _namespaces_lock:
+            ns = BACKUP_NAMESPACES.pop(operation.hash_value[0], (None, None)) if operation.hash_value else (None, None)
         _context.backup = ({h: tokens[i * p:(i + 1) * p] for i, h in enumerate(operation.hash_value)},
                            {h: (operation.hash_value[i - 1] if i else _parent(operation))
-                            for i, h in enumerate(operation.hash_value)})
+                            for i, h in enumerate(operation.hash_value)}, ns)
         try:
             return method(self, operation, *args, **kwargs)
         finally:
@@ -127,6 +151,7 @@ def _add_backup_tokens(method):
             extra = dict(info.extra_info or {})
             extra["token_ids"] = [t for h in hash_values for t in backup[0][h]]
             extra["parent_key"] = backup[1][hash_values[0]]
+            extra["extra_key"], extra["cache_salt"] = backup[2]
             info.extra_info = extra
             extra_info = info
         return method(self, hash_values, host_indices, extra_info)
@@ -157,8 +182,10 @@ def install() -> None:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
     Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
+    UnifiedTreeCore.build_storage_backup_spec = _record_backup_namespace(UnifiedTreeCore.build_storage_backup_spec)
     for cls in (HiCacheController, HybridCacheController):
         cls._storage_hit_query = _with_request_hints(cls._storage_hit_query)
     HiCacheController._page_backup = _with_backup_tokens(HiCacheController._page_backup)

@@ -3,43 +3,71 @@ which prefixes a hybrid model's pools can restore."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
 from kvcr.proto.announce import Announce
-from kvcr.proto.keys import hash_str_to_int64, page_digests
+from kvcr.proto.keys import (
+    event_namespace_seed,
+    event_salt_seed,
+    hash_str_to_int64,
+    namespaced_block_hash,
+    page_digests,
+)
 
 
-def page_announces(keys: list[str], tokens: list[int] | None, page_size: int,
-                   parent_key: str | None) -> list[Announce] | None:
-    """Announces (SGLang's own event hashes, chained from `parent_key`) for pages whose tokens are
-    known; None without them: such pages are stored and served, never announced."""
-    if not tokens or len(tokens) != len(keys) * page_size:
-        return None
-    parent = hash_str_to_int64(parent_key) if parent_key else None
-    out = []
-    for i, key in enumerate(keys):
-        h = hash_str_to_int64(key)
-        out.append(Announce(event_hash=h, parent_hash=parent,
-                            token_ids=tuple(tokens[i * page_size:(i + 1) * page_size])))
-        parent = h
-    return out
+@dataclass(frozen=True, slots=True)
+class ChainTail:
+    """Where an engine's event chain stands after a page: its digest and its published hash."""
+
+    digest: bytes
+    event: int
 
 
-def span_announces(keys: list[str], tokens: list[int] | None, page_size: int, span: int,
-                   prior: bytes | None) -> tuple[list[Announce], list[bytes]] | None:
-    """Announces for keys that each span `span` engine pages: each key is announced as that many
-    blocks, the engine's own page hashes, chained from `prior` (the digest of the engine page
-    before the first key; None at a sequence start). Also returns each key's last engine digest,
-    which continues the chain for the keys after it. None without the tokens."""
+@dataclass(frozen=True, slots=True)
+class RequestNamespace:
+    """A request's `extra_key` (a LoRA name) and `cache_salt`: they change the hashes engines publish."""
+
+    extra_key: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.extra_key is None and self.cache_salt is None
+
+
+def start_of_chain(ns: RequestNamespace) -> ChainTail | None:
+    """The chain's state before a sequence's first page (a salt seeds it; nothing else does)."""
+    return ChainTail(event_salt_seed(ns.cache_salt), 0) if ns.cache_salt is not None else None
+
+
+def tail_of_plain_key(key: str) -> ChainTail:
+    """Without salt or LoRA the event chain is the storage chain: a key is its own tail."""
+    return ChainTail(bytes.fromhex(key), hash_str_to_int64(key))
+
+
+def chain_announces(keys: list[str], tokens: list[int] | None, page_size: int, span: int,
+                    after: ChainTail | None, parent_event: int | None,
+                    ns: RequestNamespace = RequestNamespace()) -> tuple[list[Announce], list[ChainTail]] | None:
+    """Announces with the engine's own event hashes for pages whose tokens are known (None
+    without them: such pages are stored and served, never announced). A key covering `span` engine
+    pages is announced as that many blocks. `after` is the chain's state before the first key;
+    each key's tail is returned to continue it."""
     if not tokens or len(tokens) != len(keys) * span * page_size:
         return None
-    digests = page_digests(tokens, page_size, prior)
-    events = [hash_str_to_int64(d.hex()) for d in digests]
-    parent = hash_str_to_int64(prior.hex()) if prior else None
-    out, tails = [], []
+    digests = page_digests(tokens, page_size, after.digest if after else None)
+    seed = event_namespace_seed(ns.extra_key, ns.cache_salt, "default")
+    events = [int.from_bytes(d[:8], "big", signed=True) for d in digests]
+    events = [namespaced_block_hash(seed, h) for h in events] if seed is not None else events
+    out, tails, parent = [], [], parent_event
+    per_key = span * page_size
     for i in range(len(keys)):
         blocks = tuple(events[i * span:(i + 1) * span])
-        out.append(Announce(event_hash=blocks[-1], parent_hash=parent, blocks=blocks,
-                            token_ids=tuple(tokens[i * span * page_size:(i + 1) * span * page_size])))
-        tails.append(digests[(i + 1) * span - 1])
+        out.append(Announce(event_hash=blocks[-1], parent_hash=parent, blocks=blocks if span > 1 else (),
+                            token_ids=tuple(tokens[i * per_key:(i + 1) * per_key]), lora_name=ns.extra_key,
+                            cache_salt=ns.cache_salt))
+        tails.append(ChainTail(digests[(i + 1) * span - 1], blocks[-1]))
         parent = blocks[-1]
     return out, tails
 
@@ -53,3 +81,44 @@ def restorable(held: list[bool], policy: str, trailing: int) -> set[int]:
     if policy == "trailing_pages":
         return {n for n in range(1, len(held) + 1) if all(held[max(0, n - trailing):n])}
     raise ValueError(f"kvcr: unsupported pool hit policy {policy!r}")
+
+
+class AnnounceChain:
+    """Announces for backed-up pages, from what SGLang's backup call says (the hook's token ids,
+    parent key, extra key and salt). Chains that cannot be read off the storage keys (salted,
+    LoRA, spans) continue from the tail recorded when this backend stored the parent; a parent
+    it never stored leaves the pages unannounced (stored and served all the same)."""
+
+    def __init__(self, page_size: int, span: int = 1, max_tails: int = 200_000) -> None:
+        self.page_size, self.span, self.max_tails = page_size, span, max_tails
+        self._tails: OrderedDict[str, ChainTail] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def announces(self, keys: list[str], info: dict, prefix_keys: list[str] | None) -> list[Announce] | None:
+        ns = RequestNamespace(info.get("extra_key"), info.get("cache_salt"))
+        parent_key = info.get("parent_key", prefix_keys[-1] if prefix_keys else None)
+        start = self._before(parent_key, ns)
+        if start is None:
+            return None
+        made = chain_announces(keys, info.get("token_ids"), self.page_size, self.span, *start, ns)
+        if made is None:
+            return None
+        if self.span > 1 or not ns.plain:
+            with self._lock:
+                for key, tail in zip(keys, made[1]):
+                    self._tails[key] = tail
+                    self._tails.move_to_end(key)
+                while len(self._tails) > self.max_tails:
+                    self._tails.popitem(last=False)
+        return made[0]
+
+    def _before(self, parent_key: str | None, ns: RequestNamespace) -> tuple[ChainTail | None, int | None] | None:
+        """(chain state, parent's event hash) before the first key; None when unknown here."""
+        if parent_key is None:
+            return start_of_chain(ns), None
+        if self.span == 1 and ns.plain:
+            tail = tail_of_plain_key(parent_key)
+            return tail, tail.event
+        with self._lock:
+            tail = self._tails.get(parent_key)
+        return (tail, tail.event) if tail is not None else None

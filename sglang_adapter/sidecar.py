@@ -31,7 +31,7 @@ from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
 from .layout import KeyLayout, PageLayout, gather, scatter
-from .pagemeta import page_announces
+from .pagemeta import AnnounceChain
 from .pending import Pending, PendingClaims
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class KVCRSidecarStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.layout = KeyLayout(PageLayout.of(mem_pool_host))
+        self.chain = AnnounceChain(self.layout.page.page_size)
         self._check_sidecar()
 
     def _check_sidecar(self) -> None:
@@ -197,10 +198,8 @@ class KVCRSidecarStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
-        info = (extra_info.extra_info or {}) if extra_info is not None else {}
-        prefix = (extra_info.prefix_keys or []) if extra_info is not None else []
-        announces = page_announces(keys, info.get("token_ids"), self.layout.page.page_size,
-                                   info.get("parent_key", prefix[-1] if prefix else None))
+        announces = self.chain.announces(keys, extra_info.extra_info or {}, extra_info.prefix_keys) \
+            if extra_info is not None else None
         try:
             reply = self._request(m.ReserveShard(pool=POOL, keys=list(keys), shard=self.shard,
                                                  announces=[a.to_wire() for a in announces] if announces else [],

@@ -13,7 +13,6 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -42,13 +41,12 @@ from kvcr.service import Service
 from . import hooks
 from .config import parse_adapter_config
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
-from .pagemeta import page_announces, restorable, span_announces
+from .pagemeta import AnnounceChain, restorable
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 
 log = logging.getLogger(__name__)
 POOL = "kv"
-MAX_ENGINE_TAILS = 200_000
 
 if os.environ.get("KVCR_SGLANG_HOOKS") == "1":  # set by the launcher; this import runs in each scheduler
     hooks.install()
@@ -92,7 +90,7 @@ class KVCRStorage(HiCacheStorage):
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
         self._start_lock = threading.Lock()
         self._stats_lock = threading.Lock()
-        self._engine_tails: OrderedDict[str, bytes] = OrderedDict()  # span key -> its last engine digest
+        self._chain: AnnounceChain | None = None  # made once the KV pool's page size is known
         self.stats = _Stats()
         self.num_claims_expired = 0
 
@@ -361,28 +359,12 @@ class KVCRStorage(HiCacheStorage):
 
     def _announces(self, keys: list[str], extra_info) -> list[Announce] | None:
         """SGLang 0.5.23 passes no tokens unless the launcher's backup hook adds them: such pages
-        are stored and served, not announced. A span key is announced as its engine pages."""
+        are stored and served, not announced."""
         if extra_info is None:
             return None
-        info, prefix = extra_info.extra_info or {}, extra_info.prefix_keys or []
-        tokens, parent_key = info.get("token_ids"), info.get("parent_key", prefix[-1] if prefix else None)
-        layout = self.layouts[POOL]
-        if layout.pages == 1:
-            return page_announces(keys, tokens, layout.page.page_size, parent_key)
-        with self._stats_lock:
-            prior = self._engine_tails.get(parent_key) if parent_key else None
-        if parent_key and prior is None:
-            return None  # the engine chain before this span is unknown here: stored, not announced
-        made = span_announces(keys, tokens, layout.page.page_size, layout.pages, prior)
-        if made is None:
-            return None
-        with self._stats_lock:  # each key's last engine digest continues the chain after it
-            for key, tail in zip(keys, made[1]):
-                self._engine_tails[key] = tail
-                self._engine_tails.move_to_end(key)
-            while len(self._engine_tails) > MAX_ENGINE_TAILS:
-                self._engine_tails.popitem(last=False)
-        return made[0]
+        if self._chain is None:
+            self._chain = AnnounceChain(self.layouts[POOL].page.page_size, self.layouts[POOL].pages)
+        return self._chain.announces(keys, extra_info.extra_info or {}, extra_info.prefix_keys)
 
     def _add_stat(self, name: str, value: float) -> None:
         with self._stats_lock:

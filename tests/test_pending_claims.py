@@ -3,8 +3,8 @@ restorable prefixes per hit policy, page announces."""
 
 import pytest
 
-from kvcr.proto.keys import page_hashes
-from sglang_adapter.pagemeta import page_announces, restorable
+from kvcr.proto.keys import event_hashes, page_hashes, storage_namespace_seed
+from sglang_adapter.pagemeta import AnnounceChain, restorable
 from sglang_adapter.pending import Pending, PendingClaims
 
 
@@ -48,7 +48,28 @@ def test_restorable_prefixes_follow_the_pools_hit_policy(held, policy, trailing,
 
 def test_announces_chain_from_the_parent_and_need_every_token():
     parent, *keys = page_hashes(list(range(100, 112)), 4)
-    anns = page_announces(keys, list(range(8)), 4, parent_key=parent)
+    anns = AnnounceChain(4).announces(keys, {"token_ids": list(range(8)), "parent_key": parent}, None)
     assert [a.token_ids for a in anns] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert anns[1].parent_hash == anns[0].event_hash and anns[0].parent_hash is not None
-    assert page_announces(keys, list(range(7)), 4, None) is None
+    assert AnnounceChain(4).announces(keys, {"token_ids": list(range(7))}, None) is None
+
+
+@pytest.mark.parametrize("extra_key, cache_salt", [(None, None), ("lora-a", None), (None, "salt"), ("lora-a", "s")])
+def test_announced_hashes_are_the_ones_the_engine_publishes_for_salted_and_lora_requests(extra_key, cache_salt):
+    tokens = list(range(300, 300 + 5 * 4))
+    seed = storage_namespace_seed(extra_key, cache_salt)
+    keys = page_hashes(tokens, 4, seed.hex() if seed else None)  # SGLang's storage keys for this request
+    chain = AnnounceChain(4)
+    ns = {"extra_key": extra_key, "cache_salt": cache_salt}
+    first = chain.announces(keys[:2], {"token_ids": tokens[:8], **ns}, [])
+    rest = chain.announces(keys[2:], {"token_ids": tokens[8:], **ns}, keys[:2])  # a later node: its parent
+    got = [a.event_hash for a in first + rest]
+    assert got == event_hashes(tokens, 4, extra_key=extra_key, cache_salt=cache_salt)
+    assert rest[0].parent_hash == first[-1].event_hash
+    assert {(a.lora_name, a.cache_salt) for a in first + rest} == {(extra_key, cache_salt)}
+
+
+def test_a_salted_chain_whose_parent_was_never_stored_here_is_not_announced():
+    tokens = list(range(20))
+    assert AnnounceChain(4).announces(["ab" * 32], {"token_ids": tokens[:4], "cache_salt": "s"},
+                                      ["cd" * 32]) is None

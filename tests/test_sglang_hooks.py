@@ -206,3 +206,32 @@ def test_dynamos_recorded_envelope_drives_a_pull_end_to_end(backends):
     assert cb._page_transfer(op) == 2
     assert page_bytes(pool_b, op.host_indices) == page_bytes(pool_a, src)
     hooks.REQUEST_HINTS.pop("rid-dynamo")
+
+
+def test_a_salted_requests_backup_is_announced_with_the_hashes_the_engine_publishes(backends):
+    """The tree's backup spec (real UnifiedTreeCore method over a one-node arena) records the
+    node's namespace; the controller's real `_page_backup` then carries it to the backend."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache import unified_tree_core as utc
+
+    from kvcr.proto.keys import event_hashes, storage_namespace_seed
+
+    pool = mha_pool("page_first", page=PAGE)
+    backend = backends(pool)
+    tokens = list(range(4000, 4000 + 3 * PAGE))
+    keys = page_hashes(tokens, PAGE, storage_namespace_seed("lora-x", "salt").hex())
+    indices = pool.alloc(3 * PAGE)
+    node = SimpleNamespace(backuped=True, hash_value=keys, key=RadixKey(tokens, extra_key="lora-x", cache_salt="salt"),
+                           component_data={utc.BASE_COMPONENT_TYPE: SimpleNamespace(host_value=indices)})
+    tree = object.__new__(utc.UnifiedTreeCore)
+    tree._node_arena, tree.components = {7: node}, []
+    spec = tree.build_storage_backup_spec(7, False)
+    controller(backend, pool)._page_backup(StorageOperation(spec.host_value, list(spec.token_ids),
+                                                            hash_value=spec.hash_value, prefix_keys=[]))
+    with backend.runner.lock:
+        stored = [e for e in backend.runner.inventory() if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == event_hashes(tokens, PAGE, extra_key="lora-x",
+                                                                      cache_salt="salt")
+    assert stored[0].lora_name == "lora-x" and stored[0].cache_salt == "salt"
