@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# Keys the dynamic loader reads; the backend accepts and ignores them.
+# Keys the dynamic loader reads, and keys SGLang's controller takes out before the backend sees
+# the dict (they may still reach it, e.g. from a direct construction): accepted, not ours.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+CONTROLLER_KEYS = frozenset({"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                             "hicache_storage_pass_prefix_keys", "tp_lcm_size"})
 
 
 class AdapterConfigError(ValueError):
@@ -54,9 +57,9 @@ def parse_adapter_config(extra: dict | None) -> AdapterConfig:
     extra = dict(extra or {})
     known = {f.name for f in fields(AdapterConfig)}
     for key in extra:
-        if key not in known and key not in LOADER_KEYS:
+        if key not in known and key not in LOADER_KEYS | CONTROLLER_KEYS:
             raise AdapterConfigError(f"kvcr extra-config has an unknown key {key!r} (known: "
-                                     f"{', '.join(sorted(known | LOADER_KEYS))})")
+                                     f"{', '.join(sorted(known | LOADER_KEYS | CONTROLLER_KEYS))})")
     values = {k: _check(k, v, _TYPES[k]) for k, v in extra.items() if k in known}
     if "peers" in values:
         bad = [p for p in values["peers"] if not isinstance(p, str) or not p.startswith(("tcp://", "ipc://", "http"))]

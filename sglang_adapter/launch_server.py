@@ -27,9 +27,6 @@ DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "cla
 TIMEOUTS = {"prefetch_timeout_base": 2.0, "prefetch_timeout_per_ki_token": 0.25}
 # prefix keys let a backed-up page name its parent, so its announce continues the chain routers match.
 DEFAULTS = {**TIMEOUTS, "hicache_storage_pass_prefix_keys": True}
-# Keys SGLang's controller takes out of the extra-config before the backend sees it.
-CONTROLLER_KEYS = frozenset({"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                             "hicache_storage_pass_prefix_keys", "tp_lcm_size"})
 
 
 class LaunchError(ValueError):
@@ -77,7 +74,7 @@ def rewrite_args(argv: list[str]) -> list[str]:
     extra_found = _flag_value(out, EXTRA_FLAG)
     extra = _read_extra(extra_found[2]) if extra_found else {}
     try:  # refuse a bad kvcr key now, by name, rather than deep inside a scheduler process
-        parse_adapter_config({k: v for k, v in extra.items() if k not in CONTROLLER_KEYS})
+        parse_adapter_config(extra)
     except AdapterConfigError as exc:
         raise LaunchError(str(exc)) from None
     # TP > 1 and MLA engines attach every rank to the worker's sidecar runner.

@@ -13,6 +13,13 @@ from kvcr.drivers.ucx_env import SINGLE_HOST_UCX_ENV
 for _k, _v in SINGLE_HOST_UCX_ENV.items():
     os.environ.setdefault(_k, _v)
 
+try:  # SGLang's pools and controller import torchvision; its wheels need CUDA: stub it first
+    from sglang_adapter.torchvision_stub import install as _install_torchvision_stub
+
+    _install_torchvision_stub()
+except ImportError:  # no transformers: the SGLang tests cannot run in this environment anyway
+    pass
+
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = json.loads((ROOT.parent / "shared" / "reference" / "hash-vectors.json").read_text()) \
     if (ROOT.parent / "shared" / "reference" / "hash-vectors.json").exists() else None
