@@ -56,6 +56,7 @@ bench: sglang-setup dynamo-setup
 	$(VENV)/bin/python bench/vs_nvidia_kvcr.py
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/router_index.py
 	$(VENV)/bin/python bench/router_overhead.py
+	$(VENV)/bin/python bench/sglang_adapter.py
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info

@@ -184,7 +184,7 @@ def main() -> int:
                "overhead µs/page", "kvcr tagged fallback GB/s"]
     publish("peer_pull", "Peer pulls over UCX", intro,
             [table(columns, lines), table(["transport", "claim RTT p50 ms", "p99 ms"], rtt_lines)],
-            write=not args.no_write)
+            write=not (args.no_write or args.quick))  # a partial run never replaces the full table
     return 0
 
 

@@ -37,6 +37,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="8k tokens only, 3 repeats, nothing written")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
     sizes = TOKENS[:1] if args.quick else TOKENS
     repeats = 3 if args.quick else args.repeats
@@ -138,7 +139,7 @@ def main() -> int:
             [*tables[:2], [f"Timeouts with a 2x margin: `prefetch_timeout_base = {base_s}`, "
               f"`prefetch_timeout_per_ki_token = {per_ki}` ({budget}). SGLang's defaults (1 s + 0.25 s/1k) "
               "are what the launcher replaces."], tables[2]],
-            write=not args.quick)
+            write=not (args.quick or args.no_write))
     return 0
 
 
