@@ -15,7 +15,7 @@ SGLANG_POOL_DEPS := transformers==5.19.0 dill loguru setproctitle==1.3.8 openai=
 	einops==0.8.2 uvicorn==0.54.0 fastapi==0.165.0
 SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf
 
-.PHONY: demo test setup sglang-setup dynamo-setup bench clean
+.PHONY: demo test setup sglang-setup dynamo-setup system-deps bench clean
 
 # torch is named in the same install so pip keeps the CPU build instead of resolving another one.
 $(VENV)/.installed: pyproject.toml
@@ -23,7 +23,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e '.[test,demo]' '$(TORCH)'
 	touch $@
 
-$(VENV)/.sglang: $(VENV)/.installed
+# SGLang builds its page-hash extension on first use: g++, ninja and the OpenSSL headers.
+system-deps:
+	@command -v g++ >/dev/null && command -v ninja >/dev/null && test -e /usr/include/openssl/sha.h || { \
+		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq g++ ninja-build libssl-dev; }
+
+$(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install '$(TORCH)'
 	$(PIP) download --no-deps '$(SGLANG)' -d $(VENV)/wheels
 	$(PIP) install --no-deps $(VENV)/wheels/sglang-0.5.23-*.whl
