@@ -6,8 +6,9 @@ import itertools
 import os
 import time
 import uuid
-from dataclasses import replace
-from typing import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import zmq
 
@@ -104,6 +105,25 @@ class ControlClient:
                 return part.seq, events
 
 
+@dataclass
+class Claimed:
+    """Offsets of the leading pages a claim pins; after the claim ends, `live` counts the leading
+    ones whose slot kept its bytes for the whole claim (only those were read intact)."""
+
+    offsets: list[int]
+    live: int = 0
+
+
+@dataclass
+class Filling:
+    """Offsets to write (-1: present, -2: another fill writes it) and, for a TP shard, where the
+    shard starts inside a page. After the commit: pages committed (a shard: its fill's verdict)."""
+
+    offsets: list[int]
+    shard_offset: int = 0
+    committed: int | str = 0
+
+
 class AttachedWriter:
     """Writes and reads pages in a runner's shared-memory pool (same host), with fills and claims."""
 
@@ -112,35 +132,70 @@ class AttachedWriter:
         info = client.info()
         self.info = info
         self.pools = {p["name"]: p for p in info["pools"]}
-        self.region = Region.attach(info["shm_path"])
+        self.region = Region.attach(info["shm_path"])  # mapping is O(1), whatever the pool's size
         self.view = self.region.view
+
+    def __enter__(self) -> "AttachedWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self.view.release()
         self.region.close()
 
-    def put(self, pool: str, page_hexes: Sequence[str], pages: Sequence[bytes],
-            announces: Sequence[Announce | None] | None = None) -> int:
-        reply = self.client.request(m.Reserve(pool=pool, keys=list(page_hexes), writer_pid=os.getpid(),
-                                              announces=[a.to_wire() if a else None for a in announces or []]))
-        size = self.pools[pool]["page_bytes"]
+    @contextmanager
+    def filling(self, pool: str, page_hexes: Sequence[str], announces: Sequence[Announce | None] | None = None, *,
+                shard: int | None = None, lease_s: float = 0.0) -> Iterator[Filling]:
+        """Reserve (or, for a TP shard, join the fill assembling exactly these pages), let the
+        caller write, then commit; an exception commits nothing."""
+        wire = [a.to_wire() if a else None for a in announces or []]
+        if shard is None:
+            reply = self.client.request(m.Reserve(pool=pool, keys=list(page_hexes), writer_pid=os.getpid(),
+                                                  announces=wire, lease_s=lease_s))
+            filling = Filling(reply.offsets)
+        else:
+            reply = self.client.request(m.ReserveShard(pool=pool, keys=list(page_hexes), shard=shard,
+                                                       announces=wire, lease_s=lease_s))
+            filling = Filling(reply.offsets, reply.shard_offset)
+        ok = False
         try:
-            for offset, data in zip(reply.offsets, pages):
-                if offset >= 0:
-                    self.view[offset:offset + size] = data
-        except BaseException:
-            self.client.request(m.Commit(fill_id=reply.fill_id, ok=[False] * len(reply.offsets)))
-            raise
-        return self.client.request(m.Commit(fill_id=reply.fill_id, ok=[True] * len(reply.offsets))).num_committed
+            yield filling
+            ok = True
+        finally:
+            if shard is None:
+                filling.committed = self.client.request(
+                    m.Commit(fill_id=reply.fill_id, ok=[ok] * len(reply.offsets))).num_committed
+            else:
+                filling.committed = self.client.request(
+                    m.CommitShard(fill_id=reply.fill_id, shard=shard, ok=ok)).verdict
 
-    def get(self, pool: str, page_hexes: Sequence[str]) -> list[bytes]:
+    @contextmanager
+    def claimed(self, pool: str, page_hexes: Sequence[str]) -> Iterator[Claimed]:
+        """Pin the leading present pages while the caller reads them, then release."""
         grant = self.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes)))
+        claimed = Claimed(list(grant.offsets))
         if not grant.offsets:
-            return []
-        size = self.pools[pool]["page_bytes"]
+            yield claimed
+            return
         try:
-            out = [bytes(self.view[o:o + size]) for o in grant.offsets]
+            yield claimed
         finally:
             released = self.client.request(m.ReleaseRequest(claim_id=grant.claim_id))
-        # Only the leading pages whose slot stayed live for the whole claim are returned.
-        return out[:next((i for i, live in enumerate(released.live) if not live), len(out))]
+            claimed.live = next((i for i, live in enumerate(released.live) if not live), len(claimed.offsets))
+
+    def put(self, pool: str, page_hexes: Sequence[str], pages: Sequence[bytes],
+            announces: Sequence[Announce | None] | None = None) -> int:
+        size = self.pools[pool]["page_bytes"]
+        with self.filling(pool, page_hexes, announces) as fill:
+            for offset, data in zip(fill.offsets, pages):
+                if offset >= 0:
+                    self.view[offset:offset + size] = data
+        return fill.committed
+
+    def get(self, pool: str, page_hexes: Sequence[str]) -> list[bytes]:
+        size = self.pools[pool]["page_bytes"]
+        with self.claimed(pool, page_hexes) as claim:
+            out = [bytes(self.view[o:o + size]) for o in claim.offsets]
+        return out[:claim.live]  # only the pages whose slot stayed live for the whole claim

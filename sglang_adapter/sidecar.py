@@ -13,26 +13,25 @@ pages, which the ranks then read locally.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from kvcr.client import ControlClient, ControlError
-from kvcr.drivers.shm import Region
+from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.peer import PeerError, Puller
 from kvcr.proto import messages as m
-from kvcr.proto.hints import HintError, parse_envelope
-from kvcr.proto.keys import U64_MASK, hash_str_to_int64
+from kvcr.proto.keys import Namespace
 
 from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
 from .layout import KeyLayout, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain
 from .pending import Pending, PendingClaims
+from .pulls import deliver_confirmed, request_hint_source
 
 log = logging.getLogger(__name__)
 POOL = "kv"
@@ -52,15 +51,27 @@ class KVCRSidecarStorage(HiCacheStorage):
         self.interface_v1 = bool((storage_config.extra_config or {}).get("interface_v1"))
         mla = storage_config.is_mla_model
         self.shard, self.shards = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
-        self._lock = threading.Lock()  # one socket, one request at a time
-        self.client = ControlClient(self.cfg.sidecar, timeout_s=self.cfg.pull_timeout_s)
-        self.info = self.client.info()
-        self.region = Region.attach(self.info["shm_path"], writable=True)  # mapping is O(1): any pool size
+        # SGLang calls from several threads; a ZMQ socket serves one: each thread attaches its own.
+        self._local = threading.local()
+        self._writers: list[AttachedWriter] = []
+        self._writers_lock = threading.Lock()
+        self.info = self.writer.info
         self.layout: KeyLayout | None = None
         self.mem_pool_host = None
         self._puller: Puller | None = None  # made on the first request hint: a UCX worker of our own
         self._pending = PendingClaims()
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
+
+    @property
+    def writer(self) -> AttachedWriter:
+        """This thread's attachment to the sidecar (its control socket and its pool, mapped)."""
+        writer = getattr(self._local, "writer", None)  # thread-local: absent until this thread asks
+        if writer is None:
+            writer = self._local.writer = AttachedWriter(ControlClient(self.cfg.sidecar,
+                                                                       timeout_s=self.cfg.pull_timeout_s))
+            with self._writers_lock:
+                self._writers.append(writer)
+        return writer
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -69,32 +80,28 @@ class KVCRSidecarStorage(HiCacheStorage):
         self._check_sidecar()
 
     def _check_sidecar(self) -> None:
-        """The sidecar's pool must hold exactly our shards of our model: refuse naming both sides."""
+        """The sidecar's pool must hold every shard of exactly this engine's pages: refuse naming both."""
         sc, page = self.storage_config, self.layout.page
-        pool = next((p for p in self.info["pools"] if p["name"] == POOL), None)
+        pool = self.writer.pools.get(POOL)
         if pool is None:
             raise ValueError(f"kvcr sidecar {self.cfg.sidecar} has no pool {POOL!r}")
-        ns = pool["namespace"]
-        want = {"page_bytes": page.page_bytes * self.shards, "block_size": page.page_size,
-                "model": sc.model_name or self.cfg.model or "default", "mla": sc.is_mla_model,
-                # flat (byte-copy) pages order the bytes otherwise: a sidecar holds one or the other
-                "layout": page.layout if self.interface_v1 else f"flat-{page.layout}", "dtype": page.dtype}
-        have = {"page_bytes": pool["page_bytes"], "block_size": self.info["block_size"], "model": ns["model"],
-                "mla": ns["mla"], "layout": ns["layout"], "dtype": ns["dtype"]}
-        diff = [f"{k}: sidecar {have[k]!r}, this rank {want[k]!r}" for k in want if have[k] != want[k]]
+        # flat (byte-copy) pages order the bytes otherwise: a sidecar holds one or the other
+        ours = Namespace(model=sc.model_name or self.cfg.model or "default", tp_size=sc.tp_size, is_mla=sc.is_mla_model,
+                         layout=page.layout if self.interface_v1 else f"flat-{page.layout}", dtype=page.dtype,
+                         page_size=page.page_size, components=((POOL, page.page_bytes * self.shards),))
+        diff = [f"page_bytes: sidecar {pool['page_bytes']}, this rank {page.page_bytes * self.shards}"
+                if k == "components" else f"{k}: sidecar {pool['namespace'].get(k)!r}, this rank {v!r}"
+                for k, v in ours.fields().items() if pool["namespace"].get(k) != v]
         if diff:
             raise ValueError(f"kvcr sidecar {self.cfg.sidecar} does not hold this engine's pages: " + "; ".join(diff))
-
-    def _request(self, msg: m.Message) -> m.Message:
-        with self._lock:
-            return self.client.request(msg)
 
     # --- lookups -----------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         self._give_back(self._pending.expire(time.monotonic(), self.cfg.claim_lease_s))
+        client = self.writer.client
         try:
-            tiers = self._request(m.Lookup(pool=POOL, keys=list(keys))).tiers
+            tiers = client.request(m.Lookup(pool=POOL, keys=list(keys))).tiers
             local = next((i for i, t in enumerate(tiers) if t == 0), len(keys))
             if local == len(keys):
                 return local
@@ -106,24 +113,19 @@ class KVCRSidecarStorage(HiCacheStorage):
             if raw is not None and self.cfg.use_request_hints:
                 return local + self._confirm(keys, local, raw)
             # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
-            return local + self._request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
+            return local + client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
             log.warning("kvcr sidecar lookup failed: %s", exc)
             return 0
 
     def _confirm(self, keys: list[str], local: int, raw: object) -> int:
         """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim)."""
-        try:
-            hint = parse_envelope(raw)
-        except HintError as exc:
-            log.warning("kvcr: request hint ignored: %s", exc)
+        source = request_hint_source(raw, keys[local:])
+        if source is None:
             return 0
-        held = set(hint.block_hashes)
-        depth = next((i for i, k in enumerate(keys[local:]) if hash_str_to_int64(k) & U64_MASK not in held),
-                     len(keys) - local)
+        endpoint, depth = source
         try:
-            conf = self.puller.confirm(hint.source_control_endpoint, POOL, keys[local:local + depth]) \
-                if depth else None
+            conf = self.puller.confirm(endpoint, POOL, keys[local:local + depth])
         except PeerError as exc:
             log.warning("kvcr: %s", exc)
             return 0
@@ -137,7 +139,7 @@ class KVCRSidecarStorage(HiCacheStorage):
         if self._puller is None:
             from kvcr.drivers.ucx_plane import UcxPlane  # loads libucx: only once a rank pulls
 
-            pool = next(p for p in self.info["pools"] if p["name"] == POOL)
+            pool = self.writer.pools[POOL]
             self._puller = Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]},
                                   timeout_s=self.cfg.pull_timeout_s, lease_s=self.cfg.claim_lease_s,
                                   page_bytes={POOL: pool["page_bytes"]}, transport="auto")
@@ -158,112 +160,72 @@ class KVCRSidecarStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
-        n = self._read_local(keys, segments)
-        n += self._pull_slices(keys, segments, n)
+        base = self.writer.region.address + self.shard * self.layout.bytes
+        n = self._read(keys, lambda i, offset: scatter(base + offset, segments[i], self.layout.segment_bytes))
+        n += deliver_confirmed(self.puller, self._pending, keys, segments, n, self.layout.segment_bytes,
+                               slice_offset=self.shard * self.layout.bytes) if n < len(keys) and self._pending else 0
         return [i < n for i in range(len(keys))]
-
-    def _read_local(self, keys: list[str], segments: list[list[int]]) -> int:
-        """This rank's slice of the leading pages the sidecar holds (claimed while we copy)."""
-        try:
-            granted = self._request(m.ClaimRequest(pool=POOL, keys=list(keys)))
-        except (ControlError, TimeoutError) as exc:
-            log.warning("kvcr sidecar claim failed: %s", exc)
-            return 0
-        if not granted.offsets:
-            return 0  # nothing held, nothing claimed
-        slice_at = self.shard * self.layout.bytes
-        try:
-            for offset, segs in zip(granted.offsets, segments):
-                scatter(self.region.address + offset + slice_at, segs, self.layout.segment_bytes)
-        finally:
-            self._request(m.ReleaseRequest(claim_id=granted.claim_id))
-        return len(granted.offsets)
-
-    def _pull_slices(self, keys: list[str], segments: list[list[int]], n: int) -> int:
-        """GET this rank's slice of what a peer sidecar confirmed, straight into the host pages."""
-        delivered = 0
-        while n + delivered < len(keys) and (p := self._pending.take(keys, n + delivered)) is not None:
-            first = n + delivered
-            want = min(len(p.page_hexes), len(keys) - first)
-            result = self.puller.deliver(p.conf, segments[first:first + want], segments=self.layout.segment_bytes,
-                                         slice_offset=self.shard * self.layout.bytes)
-            if result.uncertain:  # a GET may still land in host pages SGLang will reuse
-                log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
-                os._exit(70)
-            delivered += result.delivered
-            if result.delivered < want:
-                break
-        return delivered
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
         announces = self.chain.announces(keys, extra_info.extra_info or {}, extra_info.prefix_keys) \
             if extra_info is not None else None
+        base = self.writer.region.address
+        ok = self._write(keys, announces, lambda i, at: gather(segments[i], self.layout.segment_bytes, base + at))
+        return [ok] * len(keys)
+
+    def _read(self, keys: list[str], copy_out: Callable[[int, int], None]) -> int:
+        """Copy this rank's slice of the leading pages the sidecar holds (claimed meanwhile);
+        returns how many stayed intact for the whole claim."""
         try:
-            reply = self._request(m.ReserveShard(pool=POOL, keys=list(keys), shard=self.shard,
-                                                 announces=[a.to_wire() for a in announces] if announces else [],
-                                                 lease_s=SHARD_LEASE_S))
+            with self.writer.claimed(POOL, keys) as claim:
+                for i, offset in enumerate(claim.offsets):
+                    copy_out(i, offset)
+        except (ControlError, TimeoutError) as exc:
+            log.warning("kvcr sidecar claim failed: %s", exc)
+            return 0
+        return claim.live
+
+    def _write(self, keys: list[str], announces, copy_in: Callable[[int, int], None]) -> bool:
+        """Write this rank's slice into the fill assembling exactly these pages (every rank's)."""
+        try:
+            with self.writer.filling(POOL, keys, announces, shard=self.shard, lease_s=SHARD_LEASE_S) as fill:
+                for i, offset in enumerate(fill.offsets):
+                    if offset >= 0:  # -1: present, -2: being written by another fill (counts as stored)
+                        copy_in(i, offset + fill.shard_offset)
         except (ControlError, TimeoutError) as exc:
             log.warning("kvcr sidecar refused a backup of %d pages: %s", len(keys), exc)
-            return [False] * len(keys)
-        ok = True
-        try:
-            for offset, segs in zip(reply.offsets, segments):
-                if offset >= 0:  # -1: present, -2: being written by another fill (counts as stored)
-                    gather(segs, self.layout.segment_bytes, self.region.address + offset + reply.shard_offset)
-        except BaseException:
-            ok = False
-            raise
-        finally:
-            self._request(m.CommitShard(fill_id=reply.fill_id, shard=self.shard, ok=ok))
-        return [True] * len(keys)
+            return False
+        return True
 
     # --- byte-copy interface (no interface_v1): this rank's slice as one flat tensor ------------
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        keys = list(keys)
-        try:
-            granted = self._request(m.ClaimRequest(pool=POOL, keys=keys))
-        except (ControlError, TimeoutError) as exc:
-            log.warning("kvcr sidecar claim failed: %s", exc)
-            return [None] * len(keys)
+        keys, size = list(keys), self.layout.bytes
         out: list = [None] * len(keys)
-        if not granted.offsets:
-            return out
-        size, slice_at = self.layout.bytes, self.shard * self.layout.bytes
-        try:
-            for i, offset in enumerate(granted.offsets):
-                target = target_locations[i] if target_locations is not None else torch.empty(size, dtype=torch.uint8)
-                start = offset + slice_at
-                target.view(torch.uint8).reshape(-1).numpy()[:] = self.region.view[start:start + size]
-                out[i] = target
-        finally:
-            self._request(m.ReleaseRequest(claim_id=granted.claim_id))
-        return out
+        view = self.writer.view
+
+        def copy_out(i: int, offset: int) -> None:
+            target = target_locations[i] if target_locations is not None else torch.empty(size, dtype=torch.uint8)
+            start = offset + self.shard * size
+            target.view(torch.uint8).reshape(-1).numpy()[:] = view[start:start + size]
+            out[i] = target
+
+        n = self._read(keys, copy_out)
+        return out[:n] + [None] * (len(keys) - n)
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
         flats = [v.contiguous().view(torch.uint8).reshape(-1).numpy() for v in values]
         if any(len(f) != self.layout.bytes for f in flats):
             log.warning("kvcr sidecar: flat pages must be %d bytes", self.layout.bytes)
             return False
-        try:
-            reply = self._request(m.ReserveShard(pool=POOL, keys=list(keys), shard=self.shard, lease_s=SHARD_LEASE_S))
-        except (ControlError, TimeoutError) as exc:
-            log.warning("kvcr sidecar refused a backup of %d pages: %s", len(keys), exc)
-            return False
-        ok = True
-        try:
-            for offset, flat in zip(reply.offsets, flats):
-                if offset >= 0:
-                    start = offset + reply.shard_offset
-                    self.region.view[start:start + len(flat)] = flat
-        except BaseException:
-            ok = False
-            raise
-        finally:
-            self._request(m.CommitShard(fill_id=reply.fill_id, shard=self.shard, ok=ok))
-        return True
+        view = self.writer.view
+
+        def copy_in(i: int, at: int) -> None:
+            view[at:at + len(flats[i])] = flats[i]
+
+        return self._write(list(keys), None, copy_in)
 
     def get(self, key, target_location=None, target_sizes=None):
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
@@ -273,7 +235,7 @@ class KVCRSidecarStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """SGLang's flush: every rank asks, the sidecar drops its pages once (the rest find none)."""
-        self._request(m.Remove(pool=POOL, everything=True))
+        self.writer.client.request(m.Remove(pool=POOL, everything=True))
 
     def close(self) -> None:
         if self._puller is not None:
@@ -281,5 +243,8 @@ class KVCRSidecarStorage(HiCacheStorage):
             self._releaser.shutdown(wait=True)
             self._puller.close()
             self._puller.plane.close()
-        self.region.close()
-        self.client.close()
+        with self._writers_lock:
+            writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close()
+            writer.client.close()

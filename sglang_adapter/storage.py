@@ -32,7 +32,6 @@ from kvcr.config import load_config
 from kvcr.peer import PeerError
 from kvcr.proto.announce import Announce
 from kvcr.proto.events import EventError
-from kvcr.proto.hints import HintError, parse_envelope
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 from kvcr.proto.pool import Page, PoolError
 from kvcr.runner import TIER_ABSENT
@@ -44,6 +43,7 @@ from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, restorable
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
+from .pulls import deliver_confirmed, request_hint_source
 
 log = logging.getLogger(__name__)
 POOL = "kv"
@@ -207,15 +207,9 @@ class KVCRStorage(HiCacheStorage):
         raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
         raw = raw if raw is not None else hooks.current_hints()  # the launcher's request-hint hook
         if raw is not None and self.cfg.use_request_hints:
-            try:
-                hint = parse_envelope(raw)
-            except HintError as exc:
-                log.warning("kvcr: request hint ignored: %s", exc)
-            else:
-                held = set(hint.block_hashes)
-                depth = next((i for i, h in enumerate(events) if h not in held), len(events))
-                if depth:
-                    return hint.source_control_endpoint, depth
+            source = request_hint_source(raw, keys[local:])
+            if source is not None:
+                return source
         if self.cfg.use_posted_hints:
             posted = self.runner.hinted_source(events)
             if posted is not None:
@@ -274,24 +268,9 @@ class KVCRStorage(HiCacheStorage):
         return [i < n for i in range(len(keys))]
 
     def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
-        """GET what batch_exists confirmed, from keys[n] on, straight into the host pages."""
-        delivered = 0
-        while n + delivered < len(keys):
-            first = n + delivered
-            pending = self._pending.take(keys, first)  # only a claim on exactly these keys
-            if pending is None:
-                break
-            want = min(len(pending.page_hexes), len(keys) - first)
-            result = self.runner.puller.deliver(pending.conf, segments[first:first + want],
-                                                segments=self.layouts[POOL].segment_bytes)
-            if result.uncertain:
-                # A GET may still land in host pages SGLang will reuse: the one safe way out.
-                log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
-                os._exit(70)
-            delivered += result.delivered
-            self._add_stat("peer_pages", result.delivered)
-            if result.delivered < want:
-                break
+        delivered = deliver_confirmed(self.runner.puller, self._pending, keys, segments, n,
+                                      self.layouts[POOL].segment_bytes)
+        self._add_stat("peer_pages", delivered)
         return delivered
 
     def _write(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool,

@@ -1,0 +1,49 @@
+"""Peer pulls as both backends make them: the source a request's hint names, and the delivery of
+what a peer confirmed straight into SGLang's host pages."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvcr.proto.hints import HintError, parse_envelope
+from kvcr.proto.keys import U64_MASK, hash_str_to_int64
+
+from .pending import PendingClaims
+
+log = logging.getLogger(__name__)
+
+
+def request_hint_source(raw: object, keys: list[str]) -> tuple[str, int] | None:
+    """(source endpoint, leading keys it holds) from a request's `kv_hints`, or None."""
+    try:
+        hint = parse_envelope(raw)
+    except HintError as exc:
+        log.warning("kvcr: request hint ignored: %s", exc)
+        return None
+    held = set(hint.block_hashes)
+    depth = next((i for i, k in enumerate(keys) if hash_str_to_int64(k) & U64_MASK not in held), len(keys))
+    return (hint.source_control_endpoint, depth) if depth else None
+
+
+def deliver_confirmed(puller, pending: PendingClaims, keys: list[str], segments: list[list[int]], n: int,
+                      segment_bytes: tuple[int, ...], slice_offset: int = 0) -> int:
+    """GET what batch_exists confirmed, from keys[n] on, straight into the host pages (a TP rank:
+    its slice of each page). Returns the pages delivered whole, in order."""
+    delivered = 0
+    while n + delivered < len(keys):
+        first = n + delivered
+        claim = pending.take(keys, first)  # only a claim on exactly these keys
+        if claim is None:
+            break
+        want = min(len(claim.page_hexes), len(keys) - first)
+        result = puller.deliver(claim.conf, segments[first:first + want], segments=segment_bytes,
+                                slice_offset=slice_offset)
+        if result.uncertain:
+            # A GET may still land in host pages SGLang will reuse: the one safe way out.
+            log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
+            os._exit(70)
+        delivered += result.delivered
+        if result.delivered < want:
+            break
+    return delivered
