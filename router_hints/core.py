@@ -24,6 +24,7 @@ class Route:
     choice: Choice
     hint: dict | None  # kv_hint envelope naming a peer with a longer prefix, if any
     request_blocks: int
+    overlaps: dict  # per worker holding the first block: its overlap by tier
 
 
 @dataclass
@@ -103,7 +104,7 @@ class RouterCore:
         endpoints = {w: p.control for w, p in self.publishers.items() if p.control}
         roles = {w: p.role for w, p in self.publishers.items()}
         hint = choose_source(self.index, choice.worker, seq, overlaps, endpoints, roles)
-        return Route(choice, hint, len(seq))
+        return Route(choice, hint, len(seq), overlaps)
 
     def close(self) -> None:
         self.subscriber.close()

@@ -55,7 +55,6 @@ class KVCRSidecarStorage(HiCacheStorage):
         self._local = threading.local()
         self._writers: list[AttachedWriter] = []
         self._writers_lock = threading.Lock()
-        self.info = self.writer.info
         self.layout: KeyLayout | None = None
         self.mem_pool_host = None
         self._puller: Puller | None = None  # made on the first request hint: a UCX worker of our own

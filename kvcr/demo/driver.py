@@ -47,19 +47,16 @@ class Driver:
         self.served_by: dict[int, list[str]] = {c.index: [] for c in conversations}
         self.outcomes: list[Outcome] = []
         self.lock = threading.Lock()
-        self.phase = "starting"
 
     def run(self, phases: list[Phase]) -> list[Outcome]:
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="kvcr-demo-client") as pool:
             for phase in phases:
-                self.phase = phase.name
                 self.record("phase", phase.name)
                 by_conv: dict[int, list[Step]] = {}
                 for step in phase.steps:
                     by_conv.setdefault(step.conversation, []).append(step)
                 for future in [pool.submit(self._conversation, phase.name, steps) for steps in by_conv.values()]:
                     future.result()
-        self.phase = "done"
         return self.outcomes
 
     def _conversation(self, phase: str, steps: list[Step]) -> None:

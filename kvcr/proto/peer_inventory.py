@@ -43,6 +43,3 @@ class PeerInventory:
             if n and (best is None or n > best[1]):
                 best = (peer, n)
         return best
-
-    def num_blocks(self, peer: str) -> int:
-        return len(self._held.get(peer, {}))

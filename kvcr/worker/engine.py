@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from ..peer import PeerError
-from ..proto.announce import announce_request
+from ..proto.announce import Announce, announce_request
 from ..proto.hints import FetchHint
 from ..proto.keys import U64_MASK, page_hashes
 from ..proto.pool import PoolError
@@ -96,11 +96,10 @@ class Engine:
         self.stats = EngineStats()
         self._s_per_token = 0.0  # EWMA of prefill seconds per computed token, for "time saved"
 
-    def _pull(self, tokens: list[int], hexes: list[str], have: int, usable: int, hint: FetchHint | None
+    def _pull(self, announces: list[Announce], hexes: list[str], have: int, hint: FetchHint | None
               ) -> tuple[int, str | None]:
         """Pull pages [have, n) from the hinted peer; returns the leading local count and the source."""
-        events = [h & U64_MASK for h in (a.event_hash for a in announce_request(tokens, self.page_size,
-                                                                                  num_pages=usable))]
+        events = [a.event_hash & U64_MASK for a in announces]
         if hint is not None:
             depth = next((i for i, (a, b) in enumerate(zip(events, hint.block_hashes)) if a != b),
                          min(len(events), len(hint.block_hashes)))
@@ -134,12 +133,13 @@ class Engine:
         usable = (len(tokens) - 1) // p  # at least one token is always computed
         hexes = page_hashes(tokens[:full * p], p)
         keys = [self.runner.key(POOL, h) for h in hexes]
+        announces = announce_request(tokens, p, num_pages=full)  # what peers and routers know the pages by
         tiers = self.runner.tiers(POOL, keys[:usable])
         have = next((i for i, t in enumerate(tiers) if t not in (TIER_DRAM, TIER_NVME)), usable)
         source = None
         local = have
         if have < usable:
-            local, source = self._pull(tokens, hexes, have, usable, hint)
+            local, source = self._pull(announces[:usable], hexes, have, hint)
         start = time.perf_counter()
         got, past = self._load(keys, min(local, usable))
         logits, kv = self.model.prefill(tokens, p, past, got * p)
@@ -148,7 +148,7 @@ class Engine:
         if computed >= 4 * p:  # short tails cost more per token than a prefix would have
             rate = elapsed / computed
             self._s_per_token = 0.8 * self._s_per_token + 0.2 * rate if self._s_per_token else rate
-        stored = self._store(tokens, kv, keys, got, full)
+        stored = self._store(kv, keys, announces, got, full)
         dram = min(got, sum(t == TIER_DRAM for t in tiers[:have]))
         nvme = min(got - dram, have - dram)
         info = PrefillInfo(len(tokens), dram, nvme, max(0, got - have), stored, elapsed,
@@ -157,7 +157,7 @@ class Engine:
         self.stats.add(info)
         return logits, kv, info
 
-    def _store(self, tokens: list[int], kv: KV, keys: list[str], first: int, full: int) -> int:
+    def _store(self, kv: KV, keys: list[str], announces: list[Announce], first: int, full: int) -> int:
         """Back up the new pages (at most half the pool per request); a full pool costs the backup,
         never the request."""
         full = min(full, first + max(1, self.runner.pools[POOL].capacity // 2))
@@ -165,9 +165,8 @@ class Engine:
             return 0
         packed = pack_pages(kv, first, full - first, self.page_size)
         pages = [memoryview(packed[i].numpy()).cast("B") for i in range(full - first)]
-        announces = announce_request(tokens, self.page_size, first_page=first, num_pages=full - first)
         try:
-            return self.runner.put(POOL, keys[first:full], pages, announces)
+            return self.runner.put(POOL, keys[first:full], pages, announces[first:full])
         except PoolError as exc:
             log.warning("pages not stored: %s", exc)
             with self.stats.lock:

@@ -156,10 +156,9 @@ class Router:
 
     def debug_view(self, tokens: list[int]) -> dict:
         decision = self.decide(tokens)
-        overlaps = self.core.index.overlaps(self.core.index.sequence_hashes(tokens))
         rows = []
         for w in sorted(self.core.publishers):
-            o = overlaps.get(w)
+            o = decision.overlaps.get(w)
             rows.append({"worker": w[0], "dp_rank": w[1],
                          "overlap": {"device": o.device, "host": o.host, "disk": o.disk} if o else
                          {"device": 0, "host": 0, "disk": 0},
