@@ -237,7 +237,7 @@ class KVCRStorage(HiCacheStorage):
         pos = self.runner.lookup(POOL, self._keys(keys))
         while pos < len(keys) and (p := self._pending.take(keys, pos)) is not None:
             got = self.runner.take_confirmed(p.conf, p.page_hexes)
-            self._add_stat("peer_pages", got)
+            self._count_peer(got)
             if got < len(p.page_hexes):
                 break
             pos += got
@@ -270,7 +270,7 @@ class KVCRStorage(HiCacheStorage):
     def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
         delivered = deliver_confirmed(self.runner.puller, self._pending, keys, segments, n,
                                       self.layouts[POOL].segment_bytes)
-        self._add_stat("peer_pages", delivered)
+        self._count_peer(delivered)
         return delivered
 
     def _write(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool,
@@ -345,13 +345,19 @@ class KVCRStorage(HiCacheStorage):
             self._chain = AnnounceChain(self.layouts[POOL].page.page_size, self.layouts[POOL].pages)
         return self._chain.announces(keys, extra_info.extra_info or {}, extra_info.prefix_keys)
 
-    def _add_stat(self, name: str, value: float) -> None:
+    def _count_peer(self, pages: int) -> None:
         with self._stats_lock:
-            setattr(self.stats, name, getattr(self.stats, name) + value)
+            self.stats.peer_pages += pages
 
     def _count(self, kind: str, pages: int, start: float) -> None:
-        self._add_stat(f"{kind}_pages", pages)
-        self._add_stat(f"{kind}_seconds", time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        with self._stats_lock:
+            if kind == "prefetch":
+                self.stats.prefetch_pages += pages
+                self.stats.prefetch_seconds += elapsed
+            else:
+                self.stats.backup_pages += pages
+                self.stats.backup_seconds += elapsed
 
     # --- byte-copy interface (no interface_v1) -----------------------------------------------
 
