@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="8k tokens only, 3 repeats, nothing written")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="model layers (fewer: a smoke run)")
     args = parser.parse_args()
     sizes = TOKENS[:1] if args.quick else TOKENS
     repeats = 3 if args.quick else args.repeats
@@ -52,7 +53,7 @@ def main() -> int:
 
     most = max(sizes)
     # Host pools are twice the device's: room for the pulled pages of every size and HiCacheFile's.
-    pools = [mha_pool("page_first", layers=LAYERS, heads=HEADS, dim=DIM, page=PAGE, tokens=most + most // 4)
+    pools = [mha_pool("page_first", layers=args.layers, heads=HEADS, dim=DIM, page=PAGE, tokens=most + most // 4)
              for _ in range(2)]
     # Host pages are taken once: a backend must see SGLang's slots, not a recycled allocator.
     slots = {t: (pools[0].alloc(t), pools[1].alloc(t)) for t in sizes}
@@ -62,8 +63,8 @@ def main() -> int:
         runner = {"dram.size": f"{most // PAGE * 2 + 16}Mi", "dram.max_claim_fraction": 1.0,
                   "runner.transfer": transport}
         a, b = (make_backend(p, runner=runner) for p in pools)
-        page_mib = a.layout.page_bytes / 2**20
-        print(f"{transport}: page {page_mib:.2f} MiB ({a.layout.page_bytes} B), {machine_line()}")
+        page_mib = a.layouts["kv"].bytes / 2**20
+        print(f"{transport}: page {page_mib:.2f} MiB ({a.layouts['kv'].bytes} B), {machine_line()}")
         try:
             for tokens in sizes:
                 n = tokens // PAGE
@@ -129,8 +130,8 @@ def main() -> int:
                        for t in sizes)
     publish("sglang_adapter", "SGLang adapter: peer pulls into host-pool pages",
             f"`bench/sglang_adapter.py --repeats {repeats}`, {machine_line()}. Real SGLang 0.5.23 MHA host pools "
-            f"(page_first, {LAYERS} layers x {HEADS} KV heads x {DIM} dims, bf16, {PAGE}-token pages: "
-            f"{LAYERS * HEADS * DIM * PAGE * 2 * 2 / 2**20:.2f} MiB per page). GB/s: median (min–max). "
+            f"(page_first, {args.layers} layers x {HEADS} KV heads x {DIM} dims, bf16, {PAGE}-token pages: "
+            f"{args.layers * HEADS * DIM * PAGE * 2 * 2 / 2**20:.2f} MiB per page). GB/s: median (min–max). "
             "Baseline: `Runner.pull_from` of the same "
             "pages into B's DRAM pool (claim, transfer, release). Adapter: `batch_exists` with the hint "
             "(confirm + claim) then `batch_get_v1`, which reads the pages straight into B's host pages "

@@ -20,3 +20,11 @@ def test_nvme_bench_runs_against_hicache_file_and_checks_its_bytes():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 4
+
+
+def test_sglang_adapter_bench_runs_against_real_pools_and_checks_its_bytes():
+    out = subprocess.run([sys.executable, "bench/sglang_adapter.py", "--quick", "--no-write", "--layers", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| same-host") or line.startswith("| UCX")]
+    assert len(rows) == 2

@@ -7,8 +7,9 @@ whose GET completed and whose slot stayed live are delivered; everything else is
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,32 +26,41 @@ Segments = Sequence[int]  # a page's destination addresses, one per segment (one
 def plan_gets(local: Sequence[int], remote: Sequence[int], page_bytes: int, *, chunks: Sequence[tuple[int, int]],
               max_op_bytes: int = 32 << 20) -> list[GetOp]:
     """One GET per run of pages adjacent on both sides (and inside one registered chunk)."""
-    return plan_segment_gets([(dst,) for dst in local], remote, (page_bytes,), chunks=chunks,
-                             max_op_bytes=max_op_bytes)
+    return _merge(((dst, page_bytes, src, i) for i, (dst, src) in enumerate(zip(local, remote))), chunks,
+                  max_op_bytes)
 
 
 def plan_segment_gets(local: Sequence[Segments], remote: Sequence[int], segment_bytes: Sequence[int], *,
                       chunks: Sequence[tuple[int, int]], max_op_bytes: int = 32 << 20) -> list[GetOp]:
     """GETs for pages whose destination is split into segments (an engine's K and V, or per-layer
-    slices): segment k of page i comes from remote[i] + the sizes of segments before k. Pieces
-    adjacent on both sides (inside one registered chunk) share one GET."""
+    slices): segment k of page i comes from remote[i] + the sizes of segments before k."""
+    starts = [sum(segment_bytes[:k]) for k in range(len(segment_bytes))]
+    return _merge(((dst, size, src + at, i) for i, (dests, src) in enumerate(zip(local, remote))
+                   for dst, size, at in zip(dests, segment_bytes, starts)), chunks, max_op_bytes)
+
+
+def _merge(pieces: Iterable[tuple[int, int, int, int]], chunks: Sequence[tuple[int, int]],
+           max_op_bytes: int) -> list[GetOp]:
+    """(local, nbytes, remote, page) pieces in order; pieces adjacent on both sides and inside one
+    registered chunk share one GET."""
+    bounds = sorted((start, start + length) for start, length in chunks)
+    lows = [b[0] for b in bounds]
+
     def chunk_of(offset: int) -> int:
-        return next((i for i, (start, length) in enumerate(chunks) if start <= offset < start + length), -1)
+        i = bisect_right(lows, offset) - 1
+        return i if i >= 0 and offset < bounds[i][1] else -1
 
     ops: list[GetOp] = []
-    for i, (dests, src) in enumerate(zip(local, remote)):
-        for dst, size in zip(dests, segment_bytes):
-            if ops:
-                last = ops[-1]
-                if (last.local + last.nbytes == dst and last.remote_offset + last.nbytes == src
-                        and last.nbytes + size <= max_op_bytes and chunk_of(src) == chunk_of(last.remote_offset)
-                        and chunk_of(src + size - 1) == chunk_of(src)):
-                    pages = last.pages if last.pages[-1] == i else (*last.pages, i)
-                    ops[-1] = GetOp(last.local, last.nbytes + size, last.remote_offset, pages)
-                    src += size
-                    continue
-            ops.append(GetOp(dst, size, src, (i,)))
-            src += size
+    for dst, size, src, page in pieces:
+        if ops:
+            last = ops[-1]
+            if (last.local + last.nbytes == dst and last.remote_offset + last.nbytes == src
+                    and last.nbytes + size <= max_op_bytes and chunk_of(src) == chunk_of(last.remote_offset)
+                    and chunk_of(src + size - 1) == chunk_of(src)):
+                pages = last.pages if last.pages[-1] == page else (*last.pages, page)
+                ops[-1] = GetOp(last.local, last.nbytes + size, last.remote_offset, pages)
+                continue
+        ops.append(GetOp(dst, size, src, (page,)))
     return ops
 
 
