@@ -20,7 +20,7 @@ BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"
 DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "class_name": "KVCRStorage",
            "interface_v1": 1}
-# bench/sglang_adapter.py (docs/sglang.md): warm 8k/32k-token pulls took 36/147 ms (p99) on one host,
+# bench/sglang_adapter.py (docs/sglang.md): warm 8k/32k-token pulls took 66/156 ms (p99) on one host,
 # a first contact with a new peer up to ~0.66 s; a 10 GbE link needs ~0.03 s per 1k tokens of a
 # 28-layer model. A 2 s base is about 3x the first contact; SGLang's 0.25 s per 1k tokens stays
 # (>= 2x either link). SGLang's 1 s base leaves too little room for a first pull.
