@@ -4,9 +4,10 @@
 
 NVIDIA kvcr is installed by this script into its own environment (`.venv-kvcr-ref`, without
 torch: `--no-deps kvcr==0.1.1 nixl==1.5.0 nixl-cu12==1.5.0`). It runs its two instances in one
-process (as its authors measured), UCX defaults. Ours: a source runner process and a pulling
-process, shared memory (`UCX_TLS=sm,tcp`). Each repeat alternates one run of each system; a run
-reports the median of 10 transfers after a warm-up, bytes checked every time.
+process (as its authors measured) and with its source in a child process, UCX defaults. Ours: a
+source runner process and a pulling process, shared memory (`UCX_TLS=sm,tcp`). Each repeat
+alternates one run of each; a run reports the median of 10 transfers after a warm-up, bytes checked
+every time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 REF_VENV = ROOT / ".venv-kvcr-ref"
+ROTATION = 4  # destination copies used in turn by both systems, as bench/kvcr_ref_driver.py
 REF_PACKAGES = [["--no-deps", "kvcr==0.1.1", "nixl==1.5.0", "nixl-cu12==1.5.0"],
                 ["msgspec>=0.21,<1", "pyzmq>=25,<28", "numpy"]]
 
@@ -38,10 +40,10 @@ def reference_python() -> str:
     return str(python)
 
 
-def run_reference(python: str, pages: int, page_bytes: int, iterations: int) -> float:
+def run_reference(python: str, pages: int, page_bytes: int, iterations: int, processes: int = 2) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # its own UCX defaults
     out = subprocess.run([python, str(ROOT / "bench" / "kvcr_ref_driver.py"), str(pages), str(page_bytes),
-                          str(iterations)], env=env, capture_output=True, text=True, timeout=300)
+                          str(iterations), str(processes)], env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]  # NIXL logs to stdout too
@@ -59,7 +61,7 @@ from kvcr.client import AttachedWriter, ControlClient
 from kvcr.drivers.ucx_plane import UcxPlane
 from kvcr.peer import Puller
 from kvcr.proto.keys import request_page_hashes
-pages, page_bytes, iterations = {pages}, {page_bytes}, {iterations}
+pages, page_bytes, iterations, ROTATION = {pages}, {page_bytes}, {iterations}, {ROTATION}
 with tempfile.TemporaryDirectory() as tmp:
     proc, info = start_source(Path(tmp), page_bytes, pages, dict(os.environ))
     try:
@@ -72,15 +74,19 @@ with tempfile.TemporaryDirectory() as tmp:
             w = AttachedWriter(client); w.put("kv", keys, payload); w.close()
         plane = UcxPlane(progress_thread=False)
         puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r})
-        dest = ctypes.create_string_buffer(pages * page_bytes)
-        dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]
+        total = pages * page_bytes
+        dest = ctypes.create_string_buffer(ROTATION * total)  # zeroed
+        expected = ctypes.create_string_buffer(b"".join(payload), total)
+        libc = ctypes.CDLL(None)
+        libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         times = []
-        for _ in range(iterations + 1):
-            ctypes.memset(dest, 0, pages * page_bytes)
+        for it in range(iterations + 1):
+            base = ctypes.addressof(dest) + it % ROTATION * total  # not written just before (as theirs)
             t0 = time.perf_counter()
-            assert puller.pull(control, "kv", keys, dests).delivered == pages
+            assert puller.pull(control, "kv", keys, [base + i * page_bytes for i in range(pages)]).delivered == pages
             times.append(time.perf_counter() - t0)
-            assert ctypes.string_at(dest, pages * page_bytes) == b"".join(payload)
+            assert libc.memcmp(base, expected, total) == 0
+            ctypes.memset(base, 0, total)  # checking and zeroing allocate nothing (as theirs)
         puller.close(); plane.close()
         print(json.dumps({{"seconds": times[1:]}}))
     finally:
@@ -99,37 +105,47 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     from bench.common import Spread, machine_line, publish, table
+    from kvcr.drivers.memcopy import Copier
 
     python = reference_python()
+    repeats = max(5, args.repeats)
     rows = []
     for pages, page_bytes in ((32, 1 << 20), (16, 64 << 10)):
-        theirs, ours, same_host = [], [], []
-        for i in range(max(5, args.repeats)):
-            theirs.append(run_reference(python, pages, page_bytes, 10))
-            ours.append(run_ours(pages, page_bytes, 10))
-            same_host.append(run_ours(pages, page_bytes, 10, "shm"))
-            print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}", end="", flush=True)
+        runs: dict[str, list[float]] = {"nv2": [], "nv1": [], "get": [], "shm": []}
+        for i in range(repeats):  # alternating: every repeat runs each system once
+            runs["nv2"].append(run_reference(python, pages, page_bytes, 10, processes=2))
+            runs["nv1"].append(run_reference(python, pages, page_bytes, 10, processes=1))
+            runs["get"].append(run_ours(pages, page_bytes, 10, "get"))
+            runs["shm"].append(run_ours(pages, page_bytes, 10, "shm"))
+            print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}/{repeats}", end="", flush=True)
         print()
         total = pages * page_bytes
-        t_gbps = [total / t / 1e9 for t in theirs]
-        o_gbps = [total / t / 1e9 for t in ours]
-        s_gbps = [total / t / 1e9 for t in same_host]
-        rows.append(f"| {pages} × {page_bytes >> 10} KiB | {Spread.of([t * 1e3 for t in theirs]).fmt()} ms "
-                    f"({Spread.of(t_gbps).fmt()} GB/s) | {Spread.of([t * 1e3 for t in ours]).fmt()} ms "
-                    f"({Spread.of(o_gbps).fmt()} GB/s) | "
-                    f"{Spread.of([o / t for o, t in zip(o_gbps, t_gbps)]).fmt(1, 1)}x | "
-                    f"{Spread.of([x * 1e3 for x in same_host]).fmt()} ms ({Spread.of(s_gbps).fmt()} GB/s) | "
-                    f"{Spread.of([o / t for o, t in zip(s_gbps, t_gbps)]).fmt(1, 1)}x |")
+
+        def cell(key: str) -> str:
+            return (f"{Spread.of([t * 1e3 for t in runs[key]]).fmt()} ms "
+                    f"({Spread.of([total / t / 1e9 for t in runs[key]]).fmt()} GB/s)")
+
+        def ratio(ours: str, theirs: str) -> str:
+            return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[theirs])]).fmt(1, 1)}x"
+
+        rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell('nv2')} | {cell('nv1')} | {cell('get')} | "
+                    f"{cell('shm')} | {ratio('shm', 'nv2')} | {ratio('shm', 'nv1')} | {ratio('get', 'nv2')} |")
         print(rows[-1])
-    intro = (f"`python bench/vs_nvidia_kvcr.py --repeats {max(5, args.repeats)}` on {machine_line()}. NVIDIA "
-             "kvcr 0.1.1 with NIXL 1.5.0 over UCX (its defaults), two instances in one process, hinted remote "
-             "`deliver` (hint + deliver + completion). kvcr: `Puller.pull` (claim, GETs, release) from a source "
-             "runner in another process over shared memory (UCX GETs, and `transfer = \"shm\"`: a copy from the "
-             "source's pool mapped read-only, same host only). Each repeat runs all; each run is the median of 10 "
-             "transfers after a warm-up, bytes checked every time. Median (min–max) over repeats.")
+    copier = Copier()
+    intro = (f"`python bench/vs_nvidia_kvcr.py --repeats {repeats}` on {machine_line()}. NVIDIA kvcr 0.1.1 with "
+             "NIXL 1.5.0 over UCX (its defaults), hinted remote `deliver` (hint + deliver + completion): its source "
+             "instance in a process of its own (the setting the target names, and ours), and both instances in one "
+             "process (as its authors measured). kvcr: `Puller.pull` (claim, transfer, release) from a source runner "
+             "process over shared memory: UCX GETs, and the same-host copy (`transfer = \"shm\"`, what `auto` picks "
+             f"on one host: the source's pool mapped read-only, {copier.threads} copy threads, non-temporal stores "
+             f"{'on' if copier.streams else 'off (no C helper)'}). Each repeat runs all four; each run is the median "
+             "of 10 transfers after a warm-up, bytes checked every time. Median (min–max) over repeats; ratios are "
+             "per repeat.")
+    copier.close()
     publish("vs_nvidia_kvcr", "Against NVIDIA kvcr 0.1.1", intro,
-            [table(["transfer", "NVIDIA kvcr 0.1.1", "kvcr (UCX GET)", "kvcr / NVIDIA",
-                    "kvcr (same-host copy)", "same-host / NVIDIA"], rows)], write=not args.no_write)
+            [table(["transfer", "NVIDIA, 2 processes", "NVIDIA, 1 process", "kvcr UCX GET", "kvcr same-host copy",
+                    "same-host / NVIDIA 2p", "same-host / NVIDIA 1p", "UCX GET / NVIDIA 2p"], rows)],
+            write=not args.no_write)
     return 0
 
 

@@ -173,6 +173,7 @@ class RunnerConfig:
     verify_transfer_bytes: bool = False  # check an xxh3 digest of every pulled page
     transfer: str = "get"          # "get" (UCX RMA), "tag" (two-sided fallback), "shm" or "auto" (same host)
     pull_lanes: int = 1            # GET workers/threads a large pull is split over
+    copy_threads: int = 0          # same-host copies: threads a large pull is split over (0: one per core, <= 4)
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
     curve_public_key: str = ""
@@ -244,6 +245,7 @@ def _validate(cfg: Config) -> None:
                        *((f"runner.curve_allowed_clients[{i}]", k) for i, k in enumerate(r.curve_allowed_clients))):
         _require(not value or len(value) == 40, f"{key} must be a 40-character Z85 CURVE key")
     _require(1 <= r.pull_lanes <= 16, f"runner.pull_lanes = {r.pull_lanes} must be in 1..16")
+    _require(0 <= r.copy_threads <= 64, f"runner.copy_threads = {r.copy_threads} must be in 0..64 (0: one per core)")
     _require(r.transfer in ("get", "tag", "shm", "auto"),
              f"runner.transfer = {r.transfer!r} must be one of get, tag, shm, auto")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")

@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -22,6 +23,7 @@ import zmq
 
 from .client import ControlClient, ControlError
 from .config import CurveKeys
+from .drivers.memcopy import Copier
 from .drivers.shm import Region, RegionError, host_id
 from .drivers.ucx_rma import GetResult
 from .proto import messages as m
@@ -100,10 +102,17 @@ class Puller:
     # "get": one-sided UCX RMA; "tag": the source sends into receives we posted; "shm": copy from the
     # source's pool mapped read-only (same host only); "auto": "shm" on the same host, else "get".
     transport: str = "get"
+    copy_threads: int = 0  # same-host copies: threads a large pull is split over (0: one per core, up to 4)
     num_digest_mismatches: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     num_refused_untrusted: int = 0
+    _copier: Copier = field(init=False)
+    _sender: ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._copier = Copier(self.copy_threads)  # threads start on first use
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
 
     def source(self, endpoint: str) -> PeerSource:
         if self.trusted is not None and endpoint not in self.trusted:
@@ -221,9 +230,12 @@ class Puller:
         if conf.released:
             return ()
         conf.released = True
-        if not wait:
-            with conf.source.lock, contextlib.suppress(zmq.ZMQError):  # else its lease ends it
-                conf.source.client.send(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop))
+        if not wait:  # sent by our sender thread: the caller's pull is over once the bytes are in
+            request = m.ReleaseRequest(claim_id=conf.claim_id, drop=drop)
+            try:
+                self._sender.submit(self._send_release, conf.source, request)
+            except RuntimeError:  # closed: send it from here
+                self._send_release(conf.source, request)
             return ()
         try:
             # Short: a source that does not answer ends the claim by lease anyway.
@@ -234,6 +246,12 @@ class Puller:
         except (ControlError, TimeoutError) as exc:
             log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
             return ()
+
+    @staticmethod
+    def _send_release(src: PeerSource, request: m.ReleaseRequest) -> None:
+        with src.lock, contextlib.suppress(zmq.ZMQError):  # else its lease ends it
+            if not src.closed:
+                src.client.send(request)
 
     def deliver(self, conf: Confirmation, destinations: Sequence[int] | Sequence[Sequence[int]], *,
                 segments: Sequence[int] | None = None, slice_offset: int = 0, move: bool = False) -> PullResult:
@@ -327,12 +345,8 @@ class Puller:
                 except (OSError, RegionError) as exc:
                     return GetResult((False,) * len(ops), error=f"cannot map the source's pool: {exc}")
             base, size = src.region.address, src.region.size
-            done = []
-            for op in ops:
-                inside = 0 <= op.remote_offset and op.remote_offset + op.nbytes <= size
-                if inside:
-                    ctypes.memmove(op.local, base + op.remote_offset, op.nbytes)
-                done.append(inside)
+            done = [0 <= op.remote_offset and op.remote_offset + op.nbytes <= size for op in ops]
+            self._copier.copy([(op.local, op.nbytes, base + op.remote_offset) for op, ok in zip(ops, done) if ok])
         return GetResult(tuple(done), error="" if all(done) else "a page lies outside the source's pool")
 
     def _verified_prefix(self, conf: Confirmation, pieces: Sequence[Sequence[int]], sizes: Sequence[int],
@@ -358,5 +372,7 @@ class Puller:
             self.release(conf)
 
     def close(self) -> None:
+        self._sender.shutdown(wait=True)  # releases already handed over still go out
         for endpoint in list(self._sources):
             self.forget(endpoint)
+        self._copier.close()

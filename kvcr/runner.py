@@ -135,7 +135,11 @@ class Runner:
             raise UnknownPool(f"unknown pool {name!r}; this runner has {sorted(self.pools)}") from None
 
     def key(self, pool: str, page_hex: str) -> str:
-        return storage_key(page_hex, self.layouts[pool].namespace.digest)
+        return self.keys(pool, [page_hex])[0]
+
+    def keys(self, pool: str, page_hexes: Sequence[str]) -> list[str]:
+        digest = self.layouts[pool].namespace.digest  # once per request, not per page
+        return [storage_key(h, digest) for h in page_hexes]
 
     def offset(self, pool: str, slot: int) -> int:
         layout = self.layouts[pool]
@@ -315,7 +319,7 @@ class Runner:
     def pull_from(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, move: bool = False) -> int:
         """Make the leading run of `page_hexes` local, pulling what we lack from the peer at
         `endpoint` straight into fresh DRAM slots. Returns how many leading pages are now local."""
-        keys = [self.key(pool, h) for h in page_hexes]
+        keys = self.keys(pool, page_hexes)
         with self.lock:
             have = self.pool(pool).leading_ready(keys)
         if have == len(keys) or self.puller is None:
@@ -329,7 +333,7 @@ class Runner:
     def take_confirmed(self, conf: Confirmation, page_hexes: Sequence[str], *, move: bool = False) -> int:
         """Pull the pages a source confirmed (claimed for us) for `page_hexes` into fresh DRAM slots
         and commit them; the claim is released on every path. Returns the leading pages delivered."""
-        keys = [self.key(conf.pool, h) for h in page_hexes[:conf.num_pages]]
+        keys = self.keys(conf.pool, page_hexes[:conf.num_pages])
         try:
             fill = self.reserve(conf.pool, keys, conf.announces(), lease_s=math.inf)
         except (PoolError, EventError):  # no room, or a source sent announces we cannot use

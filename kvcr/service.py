@@ -44,7 +44,7 @@ class Service:
                                         timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
                                         trusted=trusted, curve=cfg.curve(),
                                         verify_transfer_bytes=cfg.runner.verify_transfer_bytes,
-                                        transport=cfg.runner.transfer,
+                                        transport=cfg.runner.transfer, copy_threads=cfg.runner.copy_threads,
                                         page_bytes={n: lay.page_bytes for n, lay in self.runner.layouts.items()})
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot, curve=cfg.curve())

@@ -167,7 +167,7 @@ class KVCRStorage(HiCacheStorage):
     # --- lookups -----------------------------------------------------------------------------
 
     def _keys(self, keys: list[str], pool: str = POOL) -> list[str]:
-        return [self.runner.key(pool, k) for k in keys]
+        return self.runner.keys(pool, keys)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         self._expire_pending()

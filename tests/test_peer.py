@@ -305,6 +305,24 @@ def test_both_transfers_deliver_the_same_bytes_scattered_over_the_destination(ru
     no_claims_left(ai)
 
 
+def test_a_large_same_host_pull_split_over_copy_threads_lands_every_page(runner_factory, puller):
+    from kvcr.drivers.memcopy import PARALLEL_MIN_BYTES
+    from kvcr.peer import Puller
+
+    a, ai = source(runner_factory)
+    n = PARALLEL_MIN_BYTES // PAGE + 9  # past the threshold, and not a multiple of the thread count
+    keys, _, data = store(ai, n, seed=22)
+    threaded = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, transport="shm", copy_threads=3)
+    try:
+        raw, dests = buffers(2 * n)
+        scattered = dests[::-1][::2]  # reversed and sparse: no two neighbours coalesce
+        assert threaded.pull(ai["endpoints"]["control"], "kv", keys, scattered).delivered == n
+        assert [raw.raw[d - ctypes.addressof(raw):d - ctypes.addressof(raw) + PAGE] for d in scattered] == data
+    finally:
+        threaded.close()
+    no_claims_left(ai)
+
+
 def test_the_tagged_fallback_sends_nothing_outside_the_claim(runner_factory, puller):
     a, ai = source(runner_factory)
     keys, _, _ = store(ai, 4, seed=16)

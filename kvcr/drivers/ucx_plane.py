@@ -32,6 +32,7 @@ for _key, _value in UCX_DEFAULTS.items():
 import ucxx._lib.libucxx as ucx  # noqa: E402  (after the environment is set)
 from ucxx._lib.arr import Array  # noqa: E402
 
+from ..proto.pull import split_even  # noqa: E402
 from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progress_worker  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -49,24 +50,6 @@ def _close_quietly(ep) -> None:
 
 def _array(address: int, nbytes: int) -> Array:
     return Array((ctypes.c_char * nbytes).from_address(address))
-
-
-def _split(ops: list[tuple[int, int, int]], lanes: int) -> list[tuple[int, int, int, int, int]]:
-    """(lane, op index, local, nbytes, remote offset) pieces: ops cut at 4 KiB-aligned points so
-    every lane gets about the same number of bytes."""
-    total = sum(n for _, n, _ in ops)
-    share = ((total + lanes - 1) // lanes + 4095) // 4096 * 4096 if lanes > 1 else total or 1
-    pieces, lane, filled = [], 0, 0
-    for index, (local, nbytes, remote) in enumerate(ops):
-        done = 0
-        while done < nbytes:
-            take = min(nbytes - done, share - filled) if lanes > 1 else nbytes
-            pieces.append((lane, index, local + done, take, remote + done))
-            done += take
-            filled += take
-            if lanes > 1 and filled >= share and lane < lanes - 1:
-                lane, filled = lane + 1, 0
-    return pieces
 
 
 class _Lane:
@@ -189,7 +172,7 @@ class UcxPlane:
             return GetResult(())
         if not rkeys:
             return GetResult((False,) * len(ops), error="the peer has no registered memory yet")
-        pieces = _split(ops, len(self._lanes) if sum(n for _, n, _ in ops) >= PARALLEL_MIN_BYTES else 1)
+        pieces = split_even(ops, len(self._lanes) if sum(n for _, n, _ in ops) >= PARALLEL_MIN_BYTES else 1)
         jobs = [(lane, [p for p in pieces if p[0] == i]) for i, lane in enumerate(self._lanes)]
         jobs = [(lane, mine) for lane, mine in jobs if mine]
         futures = [self._lane_pool.submit(self._lane_get, lane, peer_address, rkeys, remote_base, mine,

@@ -144,44 +144,45 @@ class ControlServer:
     def _serve_one(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart()
         ident, payload = frames[0], frames[-1]
+        route = [ident] if len(frames) == 2 else [ident, b""]  # a REQ-style client gets its delimiter back
         self.num_requests += 1
         request_id = 0
         try:
             if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1] != b""):
-                raise m.ProtocolError(f"expected [empty, payload] frames, got {len(frames) - 1}")
+                raise m.ProtocolError(f"expected [payload] or [empty, payload] frames, got {len(frames) - 1}")
             msg = m.decode(payload)
             request_id = msg.request_id
             if isinstance(msg, m.SnapshotRequest):
                 for part in self._snapshot_parts(msg):
-                    sock.send_multipart([ident, b"", m.encode(part)])
+                    sock.send_multipart([*route, m.encode(part)])
                 return
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
             if type(msg) in SLOW:
-                self._slow.submit(self._answer_later, ident, request_id, handler, msg)
+                self._slow.submit(self._answer_later, route, request_id, handler, msg)
                 return
             if isinstance(msg, m.SendPages) or (isinstance(msg, m.ClaimRequest)
                                                 and (msg.digests or msg.pool in self.runner.disks)):
-                self._serving.submit(self._answer_later, ident, request_id, handler, msg)  # copies or disk reads
+                self._serving.submit(self._answer_later, route, request_id, handler, msg)  # copies or disk reads
                 return
             reply = handler(msg, _owner(ident))
         except Exception as exc:
             reply = self._error_reply(exc)
-        sock.send_multipart(self._frames(ident, request_id, reply))
+        sock.send_multipart(self._frames(route, request_id, reply))
 
-    def _answer_later(self, ident: bytes, request_id: int, handler, msg: m.Message) -> None:
+    def _answer_later(self, route: list[bytes], request_id: int, handler, msg: m.Message) -> None:
         try:
-            reply = handler(msg, _owner(ident))
+            reply = handler(msg, _owner(route[0]))
         except Exception as exc:
             reply = self._error_reply(exc)
-        self._done.put(self._frames(ident, request_id, reply))
+        self._done.put(self._frames(route, request_id, reply))
 
-    def _frames(self, ident: bytes, request_id: int, reply: m.Message) -> list[bytes]:
+    def _frames(self, route: list[bytes], request_id: int, reply: m.Message) -> list[bytes]:
         if isinstance(reply, m.Error):
             self.num_rejected += 1
         reply = replace(reply, request_id=request_id, incarnation=self.runner.incarnation)
-        return [ident, b"", m.encode(reply)]
+        return [*route, m.encode(reply)]
 
     @staticmethod
     def _error_reply(exc: Exception) -> m.Error:
@@ -209,26 +210,26 @@ class ControlServer:
         return m.Info(info=self._info())
 
     def _on_lookup(self, msg: m.Lookup, owner: str) -> m.Message:
-        keys = [self._key(msg.pool, k) for k in msg.keys]
+        keys = self._keys(msg.pool, msg.keys)
         return m.LookupReply(num_ready=self.runner.lookup(msg.pool, keys), tiers=self.runner.tiers(msg.pool, keys))
 
     def _on_remove(self, msg: m.Remove, owner: str) -> m.Message:
         if msg.everything:
             return m.Removed(num_removed=self.runner.clear(msg.pool))
-        return m.Removed(num_removed=self.runner.remove(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+        return m.Removed(num_removed=self.runner.remove(msg.pool, self._keys(msg.pool, msg.keys)))
 
     def _on_pull(self, msg: m.Pull, owner: str) -> m.Message:
         from ..peer import PeerError
 
         if self.runner.puller is None:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
-        keys = [self._key(msg.pool, k)[:64] for k in msg.keys]
+        keys = [k[:64] for k in self._keys(msg.pool, msg.keys)]
         source, move = msg.source_endpoint, False
         if not source:  # the source a posted hint names
             hashes = msg.event_hashes or [hash_str_to_int64(k) for k in keys]
             hinted = self.runner.hinted_source(hashes)
             if hinted is None:
-                return m.Pulled(num_local=self.runner.lookup(msg.pool, [self._key(msg.pool, k) for k in keys]))
+                return m.Pulled(num_local=self.runner.lookup(msg.pool, self._keys(msg.pool, keys)))
             source, move, keys = hinted.endpoint, hinted.mode == "move", keys[:hinted.num_pages]
         try:
             return m.Pulled(num_local=self.runner.pull_from(source, msg.pool, keys, move=move))
@@ -238,7 +239,7 @@ class ControlServer:
     def _on_persist(self, msg: m.Persist, owner: str) -> m.Message:
         if msg.pool not in self.runner.disks:
             raise m.ProtocolError("this runner has no NVMe tier (nvme.storage_dir is not set)", code="no_nvme")
-        return m.Persisted(num_persisted=self.runner.persist(msg.pool, [self._key(msg.pool, k) for k in msg.keys]))
+        return m.Persisted(num_persisted=self.runner.persist(msg.pool, self._keys(msg.pool, msg.keys)))
 
     def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
@@ -247,7 +248,7 @@ class ControlServer:
         announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
         if announces is not None and len(announces) != len(msg.keys):
             raise m.ProtocolError(f"reserve has {len(msg.keys)} keys but {len(announces)} announces")
-        fill = self.runner.reserve(msg.pool, [self._key(msg.pool, k) for k in msg.keys], announces, owner=owner,
+        fill = self.runner.reserve(msg.pool, self._keys(msg.pool, msg.keys), announces, owner=owner,
                                    lease_s=msg.lease_s or None, writer_pid=msg.writer_pid)
         return m.Reserved(fill_id=fill.fill_id, offsets=self._offsets(msg.pool, fill.pages))
 
@@ -256,7 +257,7 @@ class ControlServer:
         announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
         if announces is not None and len(announces) != len(msg.keys):
             raise m.ProtocolError(f"reserve_shard has {len(msg.keys)} keys but {len(announces)} announces")
-        fill, shard_offset = self.runner.reserve_shard(msg.pool, [self._key(msg.pool, k) for k in msg.keys],
+        fill, shard_offset = self.runner.reserve_shard(msg.pool, self._keys(msg.pool, msg.keys),
                                                        msg.shard, announces, lease_s=msg.lease_s or None)
         return m.ShardReserved(fill_id=fill.fill_id, offsets=self._offsets(msg.pool, fill.pages),
                                shard_offset=shard_offset)
@@ -275,7 +276,7 @@ class ControlServer:
     def _on_claim(self, msg: m.ClaimRequest, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
         self._check_namespace(msg.pool, msg.namespace)
-        claim = self.runner.claim(msg.pool, [self._key(msg.pool, k) for k in msg.keys], owner=owner,
+        claim = self.runner.claim(msg.pool, self._keys(msg.pool, msg.keys), owner=owner,
                                   lease_s=msg.lease_s or None)
         try:
             offsets = [self.runner.offset(msg.pool, p.slot) for p in claim.pages]
@@ -335,8 +336,9 @@ class ControlServer:
         self.runner.post_hint(hint)
         return m.HintPosted(num_hashes=len(hint.block_hashes))
 
-    def _key(self, pool: str, page_hex: object) -> str:
-        if not isinstance(page_hex, str):
-            raise m.ProtocolError(f"page keys must be hex strings, got {type(page_hex).__name__}")
+    def _keys(self, pool: str, page_hexes: list) -> list[str]:
+        for page_hex in page_hexes:
+            if not isinstance(page_hex, str):
+                raise m.ProtocolError(f"page keys must be hex strings, got {type(page_hex).__name__}")
         self.runner.pool(pool)
-        return self.runner.key(pool, page_hex)
+        return self.runner.keys(pool, page_hexes)

@@ -74,3 +74,21 @@ def delivered_prefix(ops: Sequence[GetOp], done: Sequence[bool], live: Sequence[
     while n < num_pages and arrived[n] and n < len(live) and live[n]:
         n += 1
     return n
+
+
+def split_even(ops: list[tuple[int, int, int]], lanes: int) -> list[tuple[int, int, int, int, int]]:
+    """(lane, op index, local, nbytes, remote) pieces of (local, nbytes, remote) ops, cut at 4 KiB-
+    aligned points so every lane (a thread moving its share) gets about the same number of bytes."""
+    total = sum(n for _, n, _ in ops)
+    share = ((total + lanes - 1) // lanes + 4095) // 4096 * 4096 if lanes > 1 else total or 1
+    pieces, lane, filled = [], 0, 0
+    for index, (local, nbytes, remote) in enumerate(ops):
+        done = 0
+        while done < nbytes:
+            take = min(nbytes - done, share - filled) if lanes > 1 else nbytes
+            pieces.append((lane, index, local + done, take, remote + done))
+            done += take
+            filled += take
+            if lanes > 1 and filled >= share and lane < lanes - 1:
+                lane, filled = lane + 1, 0
+    return pieces

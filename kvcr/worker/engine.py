@@ -132,7 +132,7 @@ class Engine:
         full = len(tokens) // p
         usable = (len(tokens) - 1) // p  # at least one token is always computed
         hexes = page_hashes(tokens[:full * p], p)
-        keys = [self.runner.key(POOL, h) for h in hexes]
+        keys = self.runner.keys(POOL, hexes)
         announces = announce_request(tokens, p, num_pages=full)  # what peers and routers know the pages by
         tiers = self.runner.tiers(POOL, keys[:usable])
         have = next((i for i, t in enumerate(tiers) if t not in (TIER_DRAM, TIER_NVME)), usable)
