@@ -18,7 +18,7 @@ SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors=
 .PHONY: demo test setup sglang-setup dynamo-setup system-deps bench clean
 
 # torch is named in the same install so pip keeps the CPU build instead of resolving another one.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -e '.[test,demo]' '$(TORCH)'
 	touch $@

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,8 +41,11 @@ def reference_python() -> str:
     return str(python)
 
 
-def run_reference(python: str, pages: int, page_bytes: int, iterations: int, processes: int = 2) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # its own UCX defaults
+def run_reference(python: str, pages: int, page_bytes: int, iterations: int, processes: int = 2,
+                  tls: str = "") -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # its own UCX defaults...
+    if tls:  # ...but for the transports
+        env.update(UCX_TLS=tls, UCX_NET_DEVICES="lo")
     out = subprocess.run([python, str(ROOT / "bench" / "kvcr_ref_driver.py"), str(pages), str(page_bytes),
                           str(iterations), str(processes)], env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
@@ -50,12 +54,13 @@ def run_reference(python: str, pages: int, page_bytes: int, iterations: int, pro
     return statistics.median(json.loads(line)["seconds"])
 
 
-def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get") -> float:
+def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get", tls: str = "sm,tcp") -> float:
     code = f"""
 import json, statistics, sys
 sys.path.insert(0, {str(ROOT)!r})
 from bench.peer_pull import start_source
 from pathlib import Path
+from typing import Callable
 import ctypes, os, tempfile, time
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.drivers.ucx_plane import UcxPlane
@@ -92,11 +97,22 @@ with tempfile.TemporaryDirectory() as tmp:
     finally:
         proc.terminate(); proc.wait(15)
 """
-    env = {**os.environ, "UCX_TLS": "sm,tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    env = {**os.environ, "UCX_TLS": tls, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return statistics.median(json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])["seconds"])
+
+
+def measure(repeats: int, pages: int, page_bytes: int, systems: dict) -> dict[str, list[float]]:
+    """Each repeat runs every system once, in turn; returns seconds per system."""
+    runs: dict[str, list[float]] = {name: [] for name in systems}
+    for i in range(repeats):
+        for name, run in systems.items():
+            runs[name].append(run(pages, page_bytes))
+        print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}/{repeats}", end="", flush=True)
+    print()
+    return runs
 
 
 def main() -> int:
@@ -109,42 +125,52 @@ def main() -> int:
 
     python = reference_python()
     repeats = max(5, args.repeats)
-    rows = []
+
+    def cells(runs: dict[str, list[float]], total: int) -> Callable[[str], str]:
+        return lambda key: (f"{Spread.of([t * 1e3 for t in runs[key]]).fmt()} ms "
+                            f"({Spread.of([total / t / 1e9 for t in runs[key]]).fmt()} GB/s)")
+
+    def ratio(runs: dict[str, list[float]], ours: str, theirs: str) -> str:
+        return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[theirs])]).fmt(1, 1)}x"
+
+    shm_rows, tcp_rows = [], []
     for pages, page_bytes in ((32, 1 << 20), (16, 64 << 10)):
-        runs: dict[str, list[float]] = {"nv2": [], "nv1": [], "get": [], "shm": []}
-        for i in range(repeats):  # alternating: every repeat runs each system once
-            runs["nv2"].append(run_reference(python, pages, page_bytes, 10, processes=2))
-            runs["nv1"].append(run_reference(python, pages, page_bytes, 10, processes=1))
-            runs["get"].append(run_ours(pages, page_bytes, 10, "get"))
-            runs["shm"].append(run_ours(pages, page_bytes, 10, "shm"))
-            print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}/{repeats}", end="", flush=True)
-        print()
-        total = pages * page_bytes
-
-        def cell(key: str) -> str:
-            return (f"{Spread.of([t * 1e3 for t in runs[key]]).fmt()} ms "
-                    f"({Spread.of([total / t / 1e9 for t in runs[key]]).fmt()} GB/s)")
-
-        def ratio(ours: str, theirs: str) -> str:
-            return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[theirs])]).fmt(1, 1)}x"
-
-        rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell('nv2')} | {cell('nv1')} | {cell('get')} | "
-                    f"{cell('shm')} | {ratio('shm', 'nv2')} | {ratio('shm', 'nv1')} | {ratio('get', 'nv2')} |")
-        print(rows[-1])
+        runs = measure(repeats, pages, page_bytes, {
+            "nv2": lambda p, b: run_reference(python, p, b, 10, processes=2),
+            "nv1": lambda p, b: run_reference(python, p, b, 10, processes=1),
+            "get": lambda p, b: run_ours(p, b, 10, "get"),
+            "shm": lambda p, b: run_ours(p, b, 10, "shm")})
+        cell = cells(runs, pages * page_bytes)
+        shm_rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell('nv2')} | {cell('nv1')} | {cell('get')} | "
+                        f"{cell('shm')} | {ratio(runs, 'shm', 'nv2')} | {ratio(runs, 'shm', 'nv1')} | "
+                        f"{ratio(runs, 'get', 'nv2')} |")
+        print(shm_rows[-1])
+    for pages, page_bytes in ((32, 1 << 20),):
+        runs = measure(repeats, pages, page_bytes, {
+            "nv2": lambda p, b: run_reference(python, p, b, 10, processes=2, tls="tcp"),
+            "get": lambda p, b: run_ours(p, b, 10, "get", tls="tcp")})
+        cell = cells(runs, pages * page_bytes)
+        tcp_rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell('nv2')} | {cell('get')} | "
+                        f"{ratio(runs, 'get', 'nv2')} |")
+        print(tcp_rows[-1])
     copier = Copier()
     intro = (f"`python bench/vs_nvidia_kvcr.py --repeats {repeats}` on {machine_line()}. NVIDIA kvcr 0.1.1 with "
              "NIXL 1.5.0 over UCX (its defaults), hinted remote `deliver` (hint + deliver + completion): its source "
              "instance in a process of its own (the setting the target names, and ours), and both instances in one "
              "process (as its authors measured). kvcr: `Puller.pull` (claim, transfer, release) from a source runner "
-             "process over shared memory: UCX GETs, and the same-host copy (`transfer = \"shm\"`, what `auto` picks "
-             f"on one host: the source's pool mapped read-only, {copier.threads} copy threads, non-temporal stores "
-             f"{'on' if copier.streams else 'off (no C helper)'}). Each repeat runs all four; each run is the median "
-             "of 10 transfers after a warm-up, bytes checked every time. Median (min–max) over repeats; ratios are "
+             "process: UCX GETs, and the same-host copy (`transfer = \"shm\"`, what `auto` picks on one host: the "
+             f"source's pool mapped read-only, {copier.threads} copy threads, non-temporal stores "
+             f"{'on' if copier.streams else 'off (no C helper)'}). Each repeat runs every system once, in turn; each "
+             "run is the median of 10 transfers after a warm-up into one of 4 destination copies used in turn, bytes "
+             "checked every time (memcmp and memset: nothing allocated). Median (min–max) over repeats; ratios are "
              "per repeat.")
     copier.close()
     publish("vs_nvidia_kvcr", "Against NVIDIA kvcr 0.1.1", intro,
-            [table(["transfer", "NVIDIA, 2 processes", "NVIDIA, 1 process", "kvcr UCX GET", "kvcr same-host copy",
-                    "same-host / NVIDIA 2p", "same-host / NVIDIA 1p", "UCX GET / NVIDIA 2p"], rows)],
+            [["Shared memory (`UCX_TLS=sm,tcp` for kvcr, UCX's own choice for NVIDIA kvcr):"],
+             table(["transfer", "NVIDIA, 2 processes", "NVIDIA, 1 process", "kvcr UCX GET", "kvcr same-host copy",
+                    "same-host / NVIDIA 2p", "same-host / NVIDIA 1p", "UCX GET / NVIDIA 2p"], shm_rows),
+             ["TCP (`UCX_TLS=tcp` for both, loopback):"],
+             table(["transfer", "NVIDIA, 2 processes", "kvcr UCX GET", "kvcr / NVIDIA"], tcp_rows)],
             write=not args.no_write)
     return 0
 

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import xxhash
 import zmq
@@ -56,6 +56,21 @@ class PeerSource:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time on its socket
     region: Region | None = None  # its pool, mapped read-only, for same-host copies
     closed: bool = False          # forgotten: confirmations still holding it must not use it
+    releases: list = field(default_factory=list)  # handed to the sender, not sent yet (FIFO)
+
+    @contextlib.contextmanager
+    def socket(self) -> Iterator[ControlClient]:
+        """Its control client, alone, with queued releases sent first: a request never overtakes
+        the release before it, so a claim right after a pull finds the previous one gone."""
+        with self.lock:
+            self.flush_releases()
+            yield self.client
+
+    def flush_releases(self) -> None:
+        """Send queued releases (call with `lock` held). A failed send is left to the lease."""
+        while self.releases and not self.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.client.send(self.releases.pop(0))
 
 
 @dataclass
@@ -158,8 +173,8 @@ class Puller:
 
     def lookup(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> list[int]:
         src = self.source(endpoint)
-        with src.lock:
-            return src.client.request(m.Lookup(pool=pool, keys=list(page_hexes))).tiers
+        with src.socket() as client:
+            return client.request(m.Lookup(pool=pool, keys=list(page_hexes))).tiers
 
     def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, _retry: bool = True
                 ) -> Confirmation | None:
@@ -172,8 +187,8 @@ class Puller:
             return None
         sent = time.monotonic()
         try:
-            with src.lock:
-                reply = src.client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
+            with src.socket() as client:
+                reply = client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
                                                           namespace=self.namespaces.get(pool, {}),
                                                           digests=self.verify_transfer_bytes))
         except ControlError as exc:
@@ -188,8 +203,8 @@ class Puller:
             # The source restarted: what we know of its region and keys is stale. Give the claim
             # back, learn the new incarnation, and ask once more.
             if reply.offsets:
-                with src.lock, contextlib.suppress(ControlError, TimeoutError):  # else its lease ends it
-                    src.client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
+                with src.socket() as client, contextlib.suppress(ControlError, TimeoutError):  # else its lease
+                    client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
             self.forget(endpoint)
             return self.confirm(endpoint, pool, page_hexes, _retry=False) if _retry else None
         if not reply.offsets:
@@ -197,8 +212,8 @@ class Puller:
         problem = self._check_grant(reply, len(page_hexes), pool, src)
         if problem:  # a source that answers nonsense gets nothing from us but its claim back
             log.warning("claim reply from %s refused: %s", endpoint, problem)
-            with src.lock, contextlib.suppress(ControlError, TimeoutError):
-                src.client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
+            with src.socket() as client, contextlib.suppress(ControlError, TimeoutError):
+                client.request(m.ReleaseRequest(claim_id=reply.claim_id), timeout_s=RELEASE_TIMEOUT_S)
             if problem == OUTSIDE_REGISTERED and _retry:  # it registered more since we asked: look again
                 self.forget(endpoint)
                 return self.confirm(endpoint, pool, page_hexes, _retry=False)
@@ -231,16 +246,16 @@ class Puller:
             return ()
         conf.released = True
         if not wait:  # sent by our sender thread: the caller's pull is over once the bytes are in
-            request = m.ReleaseRequest(claim_id=conf.claim_id, drop=drop)
+            conf.source.releases.append(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop))
             try:
-                self._sender.submit(self._send_release, conf.source, request)
+                self._sender.submit(self._send_releases, conf.source)
             except RuntimeError:  # closed: send it from here
-                self._send_release(conf.source, request)
+                self._send_releases(conf.source)
             return ()
         try:
             # Short: a source that does not answer ends the claim by lease anyway.
-            with conf.source.lock:
-                reply = conf.source.client.request(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop),
+            with conf.source.socket() as client:
+                reply = client.request(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop),
                                                    timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
             return tuple(reply.live)
         except (ControlError, TimeoutError) as exc:
@@ -248,10 +263,9 @@ class Puller:
             return ()
 
     @staticmethod
-    def _send_release(src: PeerSource, request: m.ReleaseRequest) -> None:
-        with src.lock, contextlib.suppress(zmq.ZMQError):  # else its lease ends it
-            if not src.closed:
-                src.client.send(request)
+    def _send_releases(src: PeerSource) -> None:
+        with src.lock:
+            src.flush_releases()
 
     def deliver(self, conf: Confirmation, destinations: Sequence[int] | Sequence[Sequence[int]], *,
                 segments: Sequence[int] | None = None, slice_offset: int = 0, move: bool = False) -> PullResult:
@@ -308,16 +322,16 @@ class Puller:
                                   timeout_s=self.timeout_s, abandon_s=self.abandon_s)
         base = random.getrandbits(40) << 20  # tags unique to this transfer
         tagged = [(op.local, op.nbytes, base + i) for i, op in enumerate(ops)]
-        with src.lock:
-            request_id = src.client.send(m.SendPages(claim_id=conf.claim_id, address=self.plane.pull_address.hex(),
-                                                     ops=[[op.remote_offset, op.nbytes, base + i]
-                                                          for i, op in enumerate(ops)]))
+        with src.socket() as client:
+            request_id = client.send(m.SendPages(claim_id=conf.claim_id, address=self.plane.pull_address.hex(),
+                                                 ops=[[op.remote_offset, op.nbytes, base + i]
+                                                      for i, op in enumerate(ops)]))
             answer: list[bool] = []
 
             def source_answer() -> bool | None:
                 if not answer:
                     try:
-                        reply = src.client.poll_reply(request_id)
+                        reply = client.poll_reply(request_id)
                     except Exception as exc:  # refused, or a reply we cannot read: nothing more will come
                         log.info("%s did not send: %s", src.endpoint, exc)
                         answer.append(False)

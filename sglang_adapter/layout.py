@@ -6,9 +6,11 @@ whatever the host layout (layer_first: 2 x layers segments; page_first(_direct):
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
+
+from kvcr.drivers.memcopy import copy_serial
 
 
 class LayoutError(ValueError):
@@ -78,15 +80,13 @@ class KeyLayout:
 
 def gather(segments: Sequence[int], sizes: Sequence[int], dest: int) -> None:
     """Copy one page's segments into contiguous memory at `dest`."""
-    offset = 0
-    for ptr, size in zip(segments, sizes):
-        ctypes.memmove(dest + offset, ptr, size)
-        offset += size
+    copy_serial([(dest + offset, size, ptr) for ptr, size, offset in zip(segments, sizes, _offsets(sizes))])
 
 
 def scatter(src: int, segments: Sequence[int], sizes: Sequence[int]) -> None:
     """Copy contiguous page bytes at `src` out to the page's segments."""
-    offset = 0
-    for ptr, size in zip(segments, sizes):
-        ctypes.memmove(ptr, src + offset, size)
-        offset += size
+    copy_serial([(ptr, size, src + offset) for ptr, size, offset in zip(segments, sizes, _offsets(sizes))])
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    return [0, *accumulate(sizes)][:len(sizes)]

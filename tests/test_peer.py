@@ -323,6 +323,19 @@ def test_a_large_same_host_pull_split_over_copy_threads_lands_every_page(runner_
     no_claims_left(ai)
 
 
+@pytest.mark.parametrize("transfer", ["get", "shm"])
+def test_back_to_back_pulls_find_the_previous_claim_released(runner_factory, puller, transfer):
+    # One claim per peer at the source: a claim that overtook the release before it would be refused.
+    a, ai = source(runner_factory, **{"runner.max_claims_per_peer": 1})
+    keys, _, data = store(ai, 4, seed=23)
+    puller.transport = transfer
+    raw, dests = buffers(4)
+    for _ in range(20):
+        assert puller.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 4
+    assert raw.raw[:4 * PAGE] == b"".join(data)
+    no_claims_left(ai)
+
+
 def test_the_tagged_fallback_sends_nothing_outside_the_claim(runner_factory, puller):
     a, ai = source(runner_factory)
     keys, _, _ = store(ai, 4, seed=16)
