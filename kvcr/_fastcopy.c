@@ -47,6 +47,38 @@ static void stream_copy(char *d, const char *s, size_t n)
 }
 #endif
 
+/* One (dst, src, nbytes) op: three non-negative ints, no address 0 under a non-empty copy. */
+static int parse_op(PyObject *obj, Py_ssize_t i, unsigned long long v[3])
+{
+    PyObject *op = PySequence_Fast(obj, "each op is (dst, src, nbytes)");
+    if (op == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(op) != 3) {
+        PyErr_Format(PyExc_TypeError, "each op is (dst, src, nbytes); op %zd has %zd items", i,
+                     PySequence_Fast_GET_SIZE(op));
+        Py_DECREF(op);
+        return -1;
+    }
+    for (int k = 0; k < 3; k++) {
+        v[k] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(op, k));
+        if (v[k] == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "op %zd: dst, src and nbytes must be non-negative integers", i);
+            Py_DECREF(op);
+            return -1;
+        }
+    }
+    Py_DECREF(op);
+    if (v[2] > (unsigned long long)PY_SSIZE_T_MAX) {
+        PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes: more than any buffer", i, v[2]);
+        return -1;
+    }
+    if (v[2] && (v[0] == 0 || v[1] == 0)) {
+        PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes from or to address 0", i, v[2]);
+        return -1;
+    }
+    return 0;
+}
+
 static int parse_ops(PyObject *seq, copy_op **out, Py_ssize_t *count)
 {
     PyObject *fast = PySequence_Fast(seq, "ops must be a sequence of (dst, src, nbytes)");
@@ -60,22 +92,15 @@ static int parse_ops(PyObject *seq, copy_op **out, Py_ssize_t *count)
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long dst, src, nbytes;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKK;each op is (dst, src, nbytes)",
-                              &dst, &src, &nbytes)) {
+        unsigned long long v[3];
+        if (parse_op(PySequence_Fast_GET_ITEM(fast, i), i, v) < 0) {
             PyMem_Free(ops);
             Py_DECREF(fast);
             return -1;
         }
-        if (nbytes && (dst == 0 || src == 0)) {
-            PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes from or to address 0", i, nbytes);
-            PyMem_Free(ops);
-            Py_DECREF(fast);
-            return -1;
-        }
-        ops[i].dst = (char *)(uintptr_t)dst;
-        ops[i].src = (const char *)(uintptr_t)src;
-        ops[i].nbytes = (size_t)nbytes;
+        ops[i].dst = (char *)(uintptr_t)v[0];
+        ops[i].src = (const char *)(uintptr_t)v[1];
+        ops[i].nbytes = (size_t)v[2];
     }
     Py_DECREF(fast);
     *out = ops;

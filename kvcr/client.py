@@ -70,8 +70,8 @@ class ControlClient:
     def send(self, msg: m.Message) -> int:
         """Send a request without waiting; returns its id for poll_reply."""
         request_id = next(self._ids)
-        # One frame, no REQ-style delimiter: the server answers in the form it was asked.
-        self._sock.send(m.encode(replace(msg, request_id=request_id, incarnation=self.incarnation)))
+        # REQ-style [empty, payload]: what every runner version accepts (newer ones take one frame too)
+        self._sock.send_multipart([b"", m.encode(replace(msg, request_id=request_id, incarnation=self.incarnation))])
         return request_id
 
     def poll_reply(self, request_id: int, timeout_ms: int = 0) -> m.Message | None:
@@ -96,7 +96,8 @@ class ControlClient:
     def snapshot(self) -> tuple[int, list[Event]]:
         """(seq, events): the inventory as of batch `seq`; continue the live stream after it."""
         request_id = next(self._ids)
-        self._sock.send(m.encode(m.SnapshotRequest(request_id=request_id, incarnation=self.incarnation)))
+        self._sock.send_multipart([b"", m.encode(m.SnapshotRequest(request_id=request_id,
+                                                                  incarnation=self.incarnation))])
         events: list[Event] = []
         while True:
             part = self._recv(request_id)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 0.5
 OUTSIDE_REGISTERED = "pages outside the memory the source had registered when we connected"
 LEASE_MARGIN = 0.2  # of the lease: slack for clock-rate differences between us and the source
+SENDER_WAIT_S = 0.01  # the release sender's wait for one source's socket before it looks at others
 
 
 class PeerError(RuntimeError):
@@ -61,10 +62,14 @@ class PeerSource:
     @contextlib.contextmanager
     def socket(self) -> Iterator[ControlClient]:
         """Its control client, alone, with queued releases sent first: a request never overtakes
-        the release before it, so a claim right after a pull finds the previous one gone."""
+        the release before it, so a claim right after a pull finds the previous one gone. Releases
+        queued while we hold it go out as we leave (the sender does not wait for a busy socket)."""
         with self.lock:
             self.flush_releases()
-            yield self.client
+            try:
+                yield self.client
+            finally:
+                self.flush_releases()
 
     def flush_releases(self) -> None:
         """Send queued releases (call with `lock` held). A failed send is left to the lease."""
@@ -165,6 +170,7 @@ class Puller:
             src = self._sources.pop(endpoint, None)
         if src is not None:
             with src.lock:  # not while another thread uses the socket or copies from the mapping
+                src.flush_releases()  # queued releases still go out: else the claims wait for their lease
                 src.closed = True
                 src.client.close()
                 if src.region is not None:
@@ -262,10 +268,17 @@ class Puller:
             log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
             return ()
 
-    @staticmethod
-    def _send_releases(src: PeerSource) -> None:
-        with src.lock:
+    def _send_releases(self, src: PeerSource) -> None:
+        """Sender thread: flush one source's queued releases. A socket busy with a long request
+        flushes them itself as it ends; we look again shortly, letting other sources go first."""
+        if not src.lock.acquire(timeout=SENDER_WAIT_S):
+            with contextlib.suppress(RuntimeError):  # shut down: close() or the lease ends them
+                self._sender.submit(self._send_releases, src)
+            return
+        try:
             src.flush_releases()
+        finally:
+            src.lock.release()
 
     def deliver(self, conf: Confirmation, destinations: Sequence[int] | Sequence[Sequence[int]], *,
                 segments: Sequence[int] | None = None, slice_offset: int = 0, move: bool = False) -> PullResult:

@@ -97,11 +97,19 @@ def test_the_c_helper_is_built_where_a_compiler_is():
 
 
 @pytest.mark.parametrize("ops, problem", [([(1, 2)], "each op is"), ([(0, 10, 1 << 20)], "address 0"),
-                                          (5, "sequence")])
+                                          (5, "sequence"), ([[8, 16, -1]], "non-negative"),
+                                          ([(8, 16, 1 << 63)], "more than any buffer"), ([7], "each op is")])
 def test_the_c_helper_refuses_malformed_ops_by_name(ops, problem):
     fast = pytest.importorskip("kvcr._fastcopy")
     with pytest.raises((TypeError, ValueError), match=problem):
         fast.copy(ops, 0)
+
+
+def test_the_c_helper_takes_ops_as_lists_too():
+    fast = pytest.importorskip("kvcr._fastcopy")
+    src, dst = _buffers(4096, 5)
+    fast.copy([[ctypes.addressof(dst), ctypes.addressof(src), 4096]], 0)
+    assert ctypes.string_at(dst, 4096) == ctypes.string_at(src, 4096)
 
 
 @pytest.mark.parametrize("threads", [-1, 65])

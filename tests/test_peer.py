@@ -336,6 +336,23 @@ def test_back_to_back_pulls_find_the_previous_claim_released(runner_factory, pul
     no_claims_left(ai)
 
 
+def test_a_release_queued_when_the_source_is_forgotten_still_goes_out(runner_factory, puller):
+    from kvcr.peer import Puller
+
+    a, ai = source(runner_factory)
+    keys, _, _ = store(ai, 2, seed=24)
+    endpoint = ai["endpoints"]["control"]
+    long_lease = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, lease_s=30.0)
+    try:
+        conf = long_lease.confirm(endpoint, "kv", keys)
+        with conf.source.lock:  # the sender cannot send it yet...
+            long_lease.release(conf, wait=False)
+        long_lease.forget(endpoint)  # ...and forgetting the source must not drop it
+        no_claims_left(ai)  # well before the 30 s lease could end the claim
+    finally:
+        long_lease.close()
+
+
 def test_the_tagged_fallback_sends_nothing_outside_the_claim(runner_factory, puller):
     a, ai = source(runner_factory)
     keys, _, _ = store(ai, 4, seed=16)

@@ -61,8 +61,11 @@ class Copier:
         shares: list[list[tuple[int, int, int]]] = [[] for _ in range(self.threads)]
         for lane, _, dst, n, src in split_even(list(ops), self.threads):
             shares[lane].append((dst, n, src))
-        futures = [self._pool.submit(copy_serial, share) for share in shares[1:] if share]
+        futures = []
         try:
+            for share in shares[1:]:
+                if share:
+                    futures.append(self._pool.submit(copy_serial, share))
             copy_serial(shares[0])
         finally:
             wait(futures)  # every share is written before we return, even if ours failed
