@@ -4,11 +4,12 @@
 1. request hints: a request's `kv_hints` reach the storage calls made for it (`extra_info`);
 2. tokens on backup: `batch_set_v1` gets the pages' token ids, parent key, extra key and salt,
    so stored pages are announced to routers with the hashes the engine itself publishes;
-3. prefetch ended: when the scheduler stops a prefetch, the backend gives back the claims the
-   prefetch will not collect.
+3. prefetch ended: when the scheduler stops a prefetch, or revokes its hit (below
+   `prefetch_threshold`, anchor lost), the backend gives back the claims the prefetch will not
+   collect.
 
 Each wraps one or two methods (the hint hook: the scheduler's prefetch and the controllers' hit
-queries); they are version-gated because they touch internals.
+queries; the end hook: terminate and revoke); they are version-gated because they touch internals.
 """
 
 from __future__ import annotations
@@ -158,14 +159,31 @@ def _add_backup_tokens(method):
     return wrapper
 
 
+def _end_prefetch(controller, operation) -> None:
+    """Claims at peers for pages this prefetch will not read go back now, not at their lease end."""
+    REQUEST_HINTS.pop(operation.request_id)
+    ended = getattr(controller.storage_backend, "prefetch_ended", None)  # only kvcr's backend listens
+    if ended is not None:
+        ended(list(operation.all_hash_values or operation.hash_value or []))
+
+
 def _notify_prefetch_ended(method):
     @functools.wraps(method)
     def wrapper(self, operation):
         result = method(self, operation)
-        REQUEST_HINTS.pop(operation.request_id)
-        ended = getattr(self.storage_backend, "prefetch_ended", None)  # only kvcr's backend listens
-        if ended is not None:
-            ended(list(operation.all_hash_values or operation.hash_value or []))
+        _end_prefetch(self, operation)
+        return result
+    return wrapper
+
+
+def _notify_prefetch_revoked(method):
+    # A hit below prefetch_threshold (or an anchor lost) is revoked without terminate_prefetch.
+    @functools.wraps(method)
+    def wrapper(self, request):
+        info = self.ongoing_prefetch.get(request)
+        result = method(self, request)
+        if info is not None:
+            _end_prefetch(self.cache_controller, info.operation)
         return result
     return wrapper
 
@@ -183,6 +201,7 @@ def install() -> None:
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
     UnifiedTreeCore.build_storage_backup_spec = _record_backup_namespace(UnifiedTreeCore.build_storage_backup_spec)
@@ -191,4 +210,5 @@ def install() -> None:
     HiCacheController._page_backup = _with_backup_tokens(HiCacheController._page_backup)
     HiCacheController._page_set_zero_copy = _add_backup_tokens(HiCacheController._page_set_zero_copy)
     HiCacheController.terminate_prefetch = _notify_prefetch_ended(HiCacheController.terminate_prefetch)
+    UnifiedRadixCache.revoke_pending_prefetch = _notify_prefetch_revoked(UnifiedRadixCache.revoke_pending_prefetch)
     _installed = True

@@ -20,7 +20,10 @@ from tests.sglang_pools import (  # installs the torchvision stub first
 from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation  # noqa: E402
 from sglang.srt.managers.kv_hints import decode_kv_hints_envelope  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache, _OngoingPrefetch  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 from kvcr.proto.events import BlockStored  # noqa: E402
@@ -91,6 +94,34 @@ def test_an_ended_prefetch_gives_back_the_claims_it_will_not_collect(backends):
     assert hit == 4 * PAGE and b.claims_pending() == 1
     cb.terminate_prefetch(op)  # the scheduler's timeout: no batch_get will come
     assert b.claims_pending() == 0 and hooks.REQUEST_HINTS.get("rid-ended") is None
+    no_claims_left(a)
+
+
+def revoking_cache(backend, handle: CacheRequestHandle, op: PrefetchOperation) -> UnifiedRadixCache:
+    """The real cache's revoke path, on a cache holding one prefetch that never got host pages
+    (what a hit below prefetch_threshold leaves): no tree, no threads."""
+    cc = object.__new__(HybridCacheController)
+    cc.storage_backend, cc.prefetch_tokens_occupied = backend, len(op.token_ids)
+    cache = object.__new__(UnifiedRadixCache)
+    cache.cache_controller, cache.host_memory_mode, cache.buffer_pipeline = cc, "cache", None
+    cache._storage_prefetch_hit_remaining_by_reqid = {}
+    cache.ongoing_prefetch = {handle: _OngoingPrefetch(anchor_node_id=0, prefetch_key=op.token_ids, host_indices=None,
+                                                       operation=op, anchor_lock_params=None, comp_xfers={})}
+    return cache
+
+
+def test_a_revoked_hit_gives_back_the_claims_it_took(backends):
+    a, b, pool_b, tokens, keys = stored_pair(backends, 4, seed=250)
+    envelope = build_envelope(a.service.control.bound_endpoint, [hash_str_to_int64(k) & U64_MASK for k in keys])
+    Scheduler._prefetch_kvcache(idle_scheduler(), request("rid-revoked", envelope))
+    op = PrefetchOperation("rid-revoked", tokens, prefix_keys=[])
+    op.hash_value, hit = controller(b, pool_b)._storage_hit_query(op)
+    assert hit == 4 * PAGE and b.claims_pending() == 1
+    handle = CacheRequestHandle("rid-revoked", 0)
+    cache = revoking_cache(b, handle, op)
+    cache.revoke_pending_prefetch(handle)  # as below prefetch_threshold: no terminate_prefetch first
+    assert handle not in cache.ongoing_prefetch and cache.cache_controller.prefetch_tokens_occupied == 0
+    assert b.claims_pending() == 0 and hooks.REQUEST_HINTS.get("rid-revoked") is None
     no_claims_left(a)
 
 
