@@ -18,8 +18,11 @@ SMALL = ["--workers", "2", "--conversations", "4", "--turns", "3", "--layers", "
 
 def start_demo(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     log = run_dir.parent / f"{run_dir.name}.stderr"
+    # Ctrl-C as in a terminal, even when the test run itself was started in the background
+    # (a shell's `cmd &` ignores SIGINT, and a child inherits that).
     proc = subprocess.Popen([sys.executable, "-m", "kvcr.cli", "demo", "--run-dir", str(run_dir), *SMALL, *extra],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, log
 
 
