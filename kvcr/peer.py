@@ -195,8 +195,8 @@ class Puller:
         try:
             with src.socket() as client:
                 reply = client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
-                                                          namespace=self.namespaces.get(pool, {}),
-                                                          digests=self.verify_transfer_bytes))
+                                                      namespace=self.namespaces.get(pool, {}),
+                                                      digests=self.verify_transfer_bytes))
         except ControlError as exc:
             if exc.code == "namespace":
                 raise PeerError(str(exc)) from None
@@ -262,7 +262,7 @@ class Puller:
             # Short: a source that does not answer ends the claim by lease anyway.
             with conf.source.socket() as client:
                 reply = client.request(m.ReleaseRequest(claim_id=conf.claim_id, drop=drop),
-                                                   timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
+                                       timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
             return tuple(reply.live)
         except (ControlError, TimeoutError) as exc:
             log.info("release at %s failed (the lease will end it): %s", conf.source.endpoint, exc)
