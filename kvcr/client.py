@@ -48,8 +48,9 @@ class ControlClient:
         sock.connect(self.endpoint)
         return sock
 
-    def close(self) -> None:
-        self._sock.close()
+    def close(self, linger_ms: int = 0) -> None:
+        """With `linger_ms`, messages already sent still leave for that long (ZMQ drops them after)."""
+        self._sock.close(linger=linger_ms)
 
     def __enter__(self) -> "ControlClient":
         return self

@@ -35,6 +35,7 @@ RELEASE_TIMEOUT_S = 0.5
 OUTSIDE_REGISTERED = "pages outside the memory the source had registered when we connected"
 LEASE_MARGIN = 0.2  # of the lease: slack for clock-rate differences between us and the source
 SENDER_WAIT_S = 0.01  # the release sender's wait for one source's socket before it looks at others
+RELEASE_LINGER_MS = 200  # a forgotten source's socket still delivers the releases just sent
 
 
 class PeerError(RuntimeError):
@@ -172,7 +173,7 @@ class Puller:
             with src.lock:  # not while another thread uses the socket or copies from the mapping
                 src.flush_releases()  # queued releases still go out: else the claims wait for their lease
                 src.closed = True
-                src.client.close()
+                src.client.close(linger_ms=RELEASE_LINGER_MS)
                 if src.region is not None:
                     src.region.close()
                     src.region = None

@@ -71,16 +71,22 @@ def current_hints() -> dict | None:
     return getattr(_context, "hints", None)
 
 
+def current_request() -> str | None:
+    """The id of the request whose hit query runs on this thread (None outside one)."""
+    return getattr(_context, "request_id", None)
+
+
 def _with_request_hints(method):
     """Run a hit query with its operation's request hints visible to the backend's batch_exists
     (batch_get_v1 needs none: it collects the claims batch_exists took)."""
     @functools.wraps(method)
     def wrapper(self, operation, *args, **kwargs):
         _context.hints = REQUEST_HINTS.get(operation.request_id)
+        _context.request_id = operation.request_id
         try:
             return method(self, operation, *args, **kwargs)
         finally:
-            _context.hints = None
+            _context.hints = _context.request_id = None
     return wrapper
 
 
@@ -164,7 +170,7 @@ def _end_prefetch(controller, operation) -> None:
     REQUEST_HINTS.pop(operation.request_id)
     ended = getattr(controller.storage_backend, "prefetch_ended", None)  # only kvcr's backend listens
     if ended is not None:
-        ended(list(operation.all_hash_values or operation.hash_value or []))
+        ended(list(operation.all_hash_values or operation.hash_value or []), operation.request_id)
 
 
 def _notify_prefetch_ended(method):

@@ -2,13 +2,14 @@
 
 A claim covers a run of keys. Two requests may share a first key and then diverge, so claims are
 found by their whole run: a read only ever collects the claim whose keys are exactly the keys it
-reads, never another request's pages.
+reads, never another request's pages. Requests that count on the same claim all own it: one of
+them ending gives it back only when no other owner is left.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -17,6 +18,7 @@ class Pending:
     conf: Any            # kvcr.peer.Confirmation
     page_hexes: list[str]
     since: float
+    owners: set[str | None] = field(default_factory=lambda: {None})  # request ids (None: unknown)
 
 
 class PendingClaims:
@@ -35,11 +37,13 @@ class PendingClaims:
                 return p
         return None
 
-    def covered(self, keys: list[str], start: int) -> int:
-        """How far from `start` whole claimed runs of exactly these keys reach."""
+    def covered(self, keys: list[str], start: int, owner: str | None = None) -> int:
+        """How far from `start` whole claimed runs of exactly these keys reach; `owner` (the asking
+        request) joins the owners of every claim it now counts on."""
         with self._lock:
             while start < len(keys) and (p := self._match(keys, start)) is not None \
                     and len(p.page_hexes) <= len(keys) - start:
+                p.owners.add(owner)
                 start += len(p.page_hexes)
         return start
 
@@ -57,13 +61,18 @@ class PendingClaims:
         if not runs:
             del self._by_first[p.page_hexes[0]]
 
-    def take_starting_in(self, keys: list[str]) -> list[Pending]:
-        """Every claim whose run starts at one of `keys` (a prefetch over them ended)."""
+    def take_starting_in(self, keys: list[str], owner: str | None) -> list[Pending]:
+        """`owner`'s prefetch over `keys` ended: it leaves every claim starting at one of them;
+        returns the claims no request owns any more."""
         wanted = set(keys)
         with self._lock:
-            gone = [p for first, runs in self._by_first.items() if first in wanted for p in runs]
-            for p in gone:
-                self._remove(p)
+            mine = [p for first, runs in self._by_first.items() if first in wanted for p in runs if owner in p.owners]
+            gone = []
+            for p in mine:
+                p.owners.discard(owner)
+                if not p.owners:
+                    self._remove(p)
+                    gone.append(p)
         return gone
 
     def expire(self, now: float, ttl_s: float) -> list[Pending]:

@@ -104,20 +104,21 @@ class KVCRSidecarStorage(HiCacheStorage):
             local = next((i for i, t in enumerate(tiers) if t == 0), len(keys))
             if local == len(keys):
                 return local
-            confirmed = self._pending.covered(keys, local)
+            owner = hooks.current_request()
+            confirmed = self._pending.covered(keys, local, owner)
             if confirmed > local:
                 return confirmed
             raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
             raw = raw if raw is not None else hooks.current_hints()
             if raw is not None and self.cfg.use_request_hints:
-                return local + self._confirm(keys, local, raw)
+                return local + self._confirm(keys, local, raw, owner)
             # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
             return local + client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
             log.warning("kvcr sidecar lookup failed: %s", exc)
             return 0
 
-    def _confirm(self, keys: list[str], local: int, raw: object) -> int:
+    def _confirm(self, keys: list[str], local: int, raw: object, owner: str | None) -> int:
         """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim)."""
         source = request_hint_source(raw, keys[local:])
         if source is None:
@@ -130,7 +131,7 @@ class KVCRSidecarStorage(HiCacheStorage):
             return 0
         if conf is None:
             return 0
-        self._pending.add(Pending(conf, keys[local:local + conf.num_pages], time.monotonic()))
+        self._pending.add(Pending(conf, keys[local:local + conf.num_pages], time.monotonic(), {owner}))
         return conf.num_pages
 
     @property
@@ -148,8 +149,8 @@ class KVCRSidecarStorage(HiCacheStorage):
         for p in pending:
             self._releaser.submit(self.puller.release, p.conf, wait=False)
 
-    def prefetch_ended(self, keys: list[str]) -> None:
-        self._give_back(self._pending.take_starting_in(keys))
+    def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
+        self._give_back(self._pending.take_starting_in(keys, request_id))
 
     def exists(self, key) -> bool:
         return self.batch_exists([key]) == 1

@@ -175,13 +175,14 @@ class KVCRStorage(HiCacheStorage):
         local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
         if local == len(keys) or self.runner.puller is None:
             return local
-        confirmed = self._pending.covered(keys, local)
+        owner = hooks.current_request()
+        confirmed = self._pending.covered(keys, local, owner)
         if confirmed > local:
-            return confirmed  # asked again (another rank's query, a retry): the claims stand
+            return confirmed  # asked again (another rank's query, a retry, a shared prefix): the claims stand
         source = self._source(keys, local, extra_info)
-        return local if source is None else self._confirm(keys, local, *source)
+        return local if source is None else self._confirm(keys, local, *source, owner)
 
-    def _confirm(self, keys: list[str], local: int, endpoint: str, depth: int) -> int:
+    def _confirm(self, keys: list[str], local: int, endpoint: str, depth: int, owner: str | None) -> int:
         """Claim keys[local:local+depth] at the source, one claim per SGLang transfer batch (the
         controller reads in batches of STORAGE_BATCH_SIZE from the first key), so each batch's
         pull is one claim that ends with it. Returns the count SGLang may rely on."""
@@ -195,7 +196,7 @@ class KVCRStorage(HiCacheStorage):
                 conf = None
             if conf is None:
                 break
-            self._pending.add(Pending(conf, keys[got:got + conf.num_pages], time.monotonic()))
+            self._pending.add(Pending(conf, keys[got:got + conf.num_pages], time.monotonic(), {owner}))
             got += conf.num_pages
             if got < stop:
                 break
@@ -228,9 +229,10 @@ class KVCRStorage(HiCacheStorage):
         self._give_back(gone)
         self.num_claims_expired += len(gone)
 
-    def prefetch_ended(self, keys: list[str]) -> None:
-        """The scheduler stopped a prefetch (launcher hook): give back what it will not collect."""
-        self._give_back(self._pending.take_starting_in(keys))
+    def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
+        """The scheduler stopped or revoked a request's prefetch (launcher hook): give back the
+        claims it will not collect and no other request counts on."""
+        self._give_back(self._pending.take_starting_in(keys, request_id))
 
     def _take_pending(self, keys: list[str]) -> None:
         """Byte-copy reads: pull what batch_exists confirmed for these keys into the runner."""

@@ -345,9 +345,11 @@ def test_a_release_queued_when_the_source_is_forgotten_still_goes_out(runner_fac
     long_lease = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, lease_s=30.0)
     try:
         conf = long_lease.confirm(endpoint, "kv", keys)
-        with conf.source.lock:  # the sender cannot send it yet...
-            long_lease.release(conf, wait=False)
-        long_lease.forget(endpoint)  # ...and forgetting the source must not drop it
+        gate = threading.Event()
+        long_lease._sender.submit(gate.wait, 10)  # the sender is busy: the release stays queued...
+        long_lease.release(conf, wait=False)
+        long_lease.forget(endpoint)  # ...and forgetting the source must send it, not drop it
+        gate.set()
         no_claims_left(ai)  # well before the 30 s lease could end the claim
     finally:
         long_lease.close()

@@ -31,9 +31,21 @@ def test_chained_claims_cover_a_long_request_and_expire_or_drain():
     claims.add(second)
     assert claims.covered(["x", "p0", "p1", "p2", "p3"], 1) == 5
     assert claims.expire(now=12.0, ttl_s=5.0) == [first]
-    assert claims.take_starting_in(["p2"]) == [second]
+    assert claims.take_starting_in(["p2"], None) == [second]
     claims.add(claim(["q0"]))
     assert len(claims.drain()) == 1 and len(claims) == 0
+
+
+def test_a_claim_two_requests_count_on_goes_back_only_when_both_ended():
+    claims = PendingClaims()
+    shared = Pending(conf=object(), page_hexes=["s0", "s1"], since=0.0, owners={"rid-a"})
+    claims.add(shared)
+    assert claims.covered(["s0", "s1"], 0, "rid-b") == 2  # B's query counts on A's claim
+    assert claims.take_starting_in(["s0", "s1"], "rid-a") == []  # A revoked: B still needs it
+    assert claims.take_starting_in(["s0"], "rid-c") == []        # a request that never counted on it
+    assert claims.take(["s0", "s1"], 0) is shared and shared.owners == {"rid-b"}
+    claims.add(shared)
+    assert claims.take_starting_in(["s0", "s1"], "rid-b") == [shared] and len(claims) == 0
 
 
 @pytest.mark.parametrize("held, policy, trailing, expected", [

@@ -125,6 +125,24 @@ def test_a_revoked_hit_gives_back_the_claims_it_took(backends):
     no_claims_left(a)
 
 
+def test_a_revoked_request_leaves_the_claims_another_request_counts_on(backends):
+    a, b, pool_b, tokens, keys = stored_pair(backends, 4, seed=270)
+    envelope = build_envelope(a.service.control.bound_endpoint, [hash_str_to_int64(k) & U64_MASK for k in keys])
+    cb, ops = controller(b, pool_b), {}
+    for rid in ("rid-first", "rid-second"):  # the same prefix: the second counts on the first's claim
+        Scheduler._prefetch_kvcache(idle_scheduler(), request(rid, envelope))
+        ops[rid] = PrefetchOperation(rid, tokens, prefix_keys=[])
+        ops[rid].hash_value, hit = cb._storage_hit_query(ops[rid])
+        assert hit == 4 * PAGE
+    assert b.claims_pending() == 1
+    first = CacheRequestHandle("rid-first", 0)
+    revoking_cache(b, first, ops["rid-first"]).revoke_pending_prefetch(first)
+    assert b.claims_pending() == 1  # still the second request's
+    cb.terminate_prefetch(ops["rid-second"])
+    assert b.claims_pending() == 0
+    no_claims_left(a)
+
+
 @pytest.mark.parametrize("argv", [
     ["--hicache-storage-backend", "kvcr"],
     ["--hicache-storage-backend=kvcr", "--hicache-storage-backend-extra-config", '{"claim_lease_s": 3}'],
