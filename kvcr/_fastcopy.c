@@ -17,10 +17,10 @@
 #define KVCR_HAVE_STREAM 0
 #endif
 
-typedef struct {
+typedef struct {  /* the order Python passes them: (dst, nbytes, src), as kvcr's GET ops */
     char *dst;
-    const char *src;
     size_t nbytes;
+    const char *src;
 } copy_op;
 
 #if KVCR_HAVE_STREAM
@@ -47,14 +47,14 @@ static void stream_copy(char *d, const char *s, size_t n)
 }
 #endif
 
-/* One (dst, src, nbytes) op: three non-negative ints, no address 0 under a non-empty copy. */
+/* One (dst, nbytes, src) op: three non-negative ints, no address 0 under a non-empty copy. */
 static int parse_op(PyObject *obj, Py_ssize_t i, unsigned long long v[3])
 {
-    PyObject *op = PySequence_Fast(obj, "each op is (dst, src, nbytes)");
+    PyObject *op = PySequence_Fast(obj, "each op is (dst, nbytes, src)");
     if (op == NULL)
         return -1;
     if (PySequence_Fast_GET_SIZE(op) != 3) {
-        PyErr_Format(PyExc_TypeError, "each op is (dst, src, nbytes); op %zd has %zd items", i,
+        PyErr_Format(PyExc_TypeError, "each op is (dst, nbytes, src); op %zd has %zd items", i,
                      PySequence_Fast_GET_SIZE(op));
         Py_DECREF(op);
         return -1;
@@ -62,18 +62,18 @@ static int parse_op(PyObject *obj, Py_ssize_t i, unsigned long long v[3])
     for (int k = 0; k < 3; k++) {
         v[k] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(op, k));
         if (v[k] == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "op %zd: dst, src and nbytes must be non-negative integers", i);
+            PyErr_Format(PyExc_ValueError, "op %zd: dst, nbytes and src must be non-negative integers", i);
             Py_DECREF(op);
             return -1;
         }
     }
     Py_DECREF(op);
-    if (v[2] > (unsigned long long)PY_SSIZE_T_MAX) {
-        PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes: more than any buffer", i, v[2]);
+    if (v[1] > (unsigned long long)PY_SSIZE_T_MAX) {
+        PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes: more than any buffer", i, v[1]);
         return -1;
     }
-    if (v[2] && (v[0] == 0 || v[1] == 0)) {
-        PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes from or to address 0", i, v[2]);
+    if (v[1] && (v[0] == 0 || v[2] == 0)) {
+        PyErr_Format(PyExc_ValueError, "op %zd copies %llu bytes from or to address 0", i, v[1]);
         return -1;
     }
     return 0;
@@ -81,7 +81,7 @@ static int parse_op(PyObject *obj, Py_ssize_t i, unsigned long long v[3])
 
 static int parse_ops(PyObject *seq, copy_op **out, Py_ssize_t *count)
 {
-    PyObject *fast = PySequence_Fast(seq, "ops must be a sequence of (dst, src, nbytes)");
+    PyObject *fast = PySequence_Fast(seq, "ops must be a sequence of (dst, nbytes, src)");
     if (fast == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -99,8 +99,8 @@ static int parse_ops(PyObject *seq, copy_op **out, Py_ssize_t *count)
             return -1;
         }
         ops[i].dst = (char *)(uintptr_t)v[0];
-        ops[i].src = (const char *)(uintptr_t)v[1];
-        ops[i].nbytes = (size_t)v[2];
+        ops[i].nbytes = (size_t)v[1];
+        ops[i].src = (const char *)(uintptr_t)v[2];
     }
     Py_DECREF(fast);
     *out = ops;
@@ -143,7 +143,7 @@ static PyObject *fastcopy_copy(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"copy", fastcopy_copy, METH_VARARGS,
-     "copy(ops, stream_min): memcpy each (dst, src, nbytes) with the GIL released; ops of at least\n"
+     "copy(ops, stream_min): memcpy each (dst, nbytes, src) with the GIL released; ops of at least\n"
      "stream_min bytes use non-temporal stores where the CPU has them."},
     {NULL, NULL, 0, NULL},
 };

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from kvcr.drivers.memcopy import copy_serial
 
@@ -78,14 +78,18 @@ class KeyLayout:
         return [[a for page in per_page[k * self.pages:(k + 1) * self.pages] for a in page] for k in range(num_keys)]
 
 
-def gather(segments: Sequence[int], sizes: Sequence[int], dest: int) -> None:
-    """Copy one page's segments into contiguous memory at `dest`."""
-    copy_serial([(dest + offset, size, ptr) for ptr, size, offset in zip(segments, sizes, _offsets(sizes))])
+def gather(pages: Iterable[tuple[Sequence[int], int]], sizes: Sequence[int]) -> None:
+    """Copy each page's segments into contiguous memory at its `dest` ((segments, dest) pairs), as one batch."""
+    offsets = _offsets(sizes)
+    copy_serial([(dest + offset, size, ptr) for segments, dest in pages
+                 for ptr, size, offset in zip(segments, sizes, offsets)])
 
 
-def scatter(src: int, segments: Sequence[int], sizes: Sequence[int]) -> None:
-    """Copy contiguous page bytes at `src` out to the page's segments."""
-    copy_serial([(ptr, size, src + offset) for ptr, size, offset in zip(segments, sizes, _offsets(sizes))])
+def scatter(pages: Iterable[tuple[int, Sequence[int]]], sizes: Sequence[int]) -> None:
+    """Copy each page's contiguous bytes at `src` out to its segments ((src, segments) pairs), as one batch."""
+    offsets = _offsets(sizes)
+    copy_serial([(ptr, size, src + offset) for src, segments in pages
+                 for ptr, size, offset in zip(segments, sizes, offsets)])
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:

@@ -161,7 +161,7 @@ class KVCRSidecarStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
         base = self.writer.region.address + self.shard * self.layout.bytes
-        n = self._read(keys, lambda i, offset: scatter(base + offset, segments[i], self.layout.segment_bytes))
+        n = self._read(keys, lambda i, offset: scatter([(base + offset, segments[i])], self.layout.segment_bytes))
         n += deliver_confirmed(self.puller, self._pending, keys, segments, n, self.layout.segment_bytes,
                                slice_offset=self.shard * self.layout.bytes) if n < len(keys) and self._pending else 0
         return [i < n for i in range(len(keys))]
@@ -172,7 +172,7 @@ class KVCRSidecarStorage(HiCacheStorage):
         announces = self.chain.announces(keys, extra_info.extra_info or {}, extra_info.prefix_keys) \
             if extra_info is not None else None
         base = self.writer.region.address
-        ok = self._write(keys, announces, lambda i, at: gather(segments[i], self.layout.segment_bytes, base + at))
+        ok = self._write(keys, announces, lambda i, at: gather([(segments[i], base + at)], self.layout.segment_bytes))
         return [ok] * len(keys)
 
     def _read(self, keys: list[str], copy_out: Callable[[int, int], None]) -> int:

@@ -261,8 +261,8 @@ class KVCRStorage(HiCacheStorage):
         layout, runner = self.layouts[name], self.runner
         segments = layout.key_segments(host_pool, host_indices, len(keys))
         with runner.pinned(name, self._keys(keys, name)) as pages:
-            for page, segs in zip(pages, segments):
-                scatter(runner.region_address + runner.offset(name, page.slot), segs, layout.segment_bytes)
+            scatter([(runner.region_address + runner.offset(name, page.slot), segs)
+                     for page, segs in zip(pages, segments)], layout.segment_bytes)
             n = len(pages)
         if name == POOL:
             n += self._pull_confirmed(keys, segments, n)
@@ -288,9 +288,8 @@ class KVCRStorage(HiCacheStorage):
             return [False] * len(keys)
         ok = True
         try:
-            for page, segs in zip(fill.pages, segments):
-                if isinstance(page, Page):
-                    gather(segs, layout.segment_bytes, runner.region_address + runner.offset(name, page.slot))
+            gather([(segs, runner.region_address + runner.offset(name, page.slot))
+                    for page, segs in zip(fill.pages, segments) if isinstance(page, Page)], layout.segment_bytes)
         except BaseException:
             ok = False
             raise

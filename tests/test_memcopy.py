@@ -96,9 +96,9 @@ def test_the_c_helper_is_built_where_a_compiler_is():
     assert memcopy._fastcopy is not None
 
 
-@pytest.mark.parametrize("ops, problem", [([(1, 2)], "each op is"), ([(0, 10, 1 << 20)], "address 0"),
-                                          (5, "sequence"), ([[8, 16, -1]], "non-negative"),
-                                          ([(8, 16, 1 << 63)], "more than any buffer"), ([7], "each op is")])
+@pytest.mark.parametrize("ops, problem", [([(1, 2)], "each op is"), ([(0, 1 << 20, 10)], "address 0"),
+                                          (5, "sequence"), ([[8, -1, 16]], "non-negative"),
+                                          ([(8, 1 << 63, 16)], "more than any buffer"), ([7], "each op is")])
 def test_the_c_helper_refuses_malformed_ops_by_name(ops, problem):
     fast = pytest.importorskip("kvcr._fastcopy")
     with pytest.raises((TypeError, ValueError), match=problem):
@@ -108,7 +108,7 @@ def test_the_c_helper_refuses_malformed_ops_by_name(ops, problem):
 def test_the_c_helper_takes_ops_as_lists_too():
     fast = pytest.importorskip("kvcr._fastcopy")
     src, dst = _buffers(4096, 5)
-    fast.copy([[ctypes.addressof(dst), ctypes.addressof(src), 4096]], 0)
+    fast.copy([[ctypes.addressof(dst), 4096, ctypes.addressof(src)]], 0)
     assert ctypes.string_at(dst, 4096) == ctypes.string_at(src, 4096)
 
 

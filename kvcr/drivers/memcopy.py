@@ -32,7 +32,7 @@ def default_threads() -> int:
 def copy_serial(ops: Sequence[tuple[int, int, int]], stream_min: int = STREAM_MIN_BYTES) -> None:
     """Copy (dst, nbytes, src) ops in this thread."""
     if _fastcopy is not None:
-        _fastcopy.copy([(dst, src, n) for dst, n, src in ops], stream_min)
+        _fastcopy.copy(ops, stream_min)
         return
     for dst, n, src in ops:
         ctypes.memmove(dst, src, n)
