@@ -118,7 +118,7 @@ def cmd_demo_driver(args: argparse.Namespace) -> int:
 def cmd_sglang(args: argparse.Namespace) -> int:
     from sglang_adapter.launch_server import main as launch
 
-    return launch(args.sglang_args)
+    return launch(args.sglang_args, prog="kvcr sglang")
 
 
 def build_parser() -> argparse.ArgumentParser:

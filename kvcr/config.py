@@ -169,6 +169,8 @@ class RunnerConfig:
     ucx: bool = True               # serve peers over UCX (register the DRAM region) and pull from them
     pull_timeout_s: float = 5.0
     pull_abandon_s: float = 5.0
+    control_timeout_s: float = 2.0     # a peer's answer to info and claim requests
+    unreachable_backoff_s: float = 5.0  # a peer that did not answer is skipped this long (doubling, x16 at most)
     peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
     verify_transfer_bytes: bool = False  # check an xxh3 digest of every pulled page
     transfer: str = "get"          # "get" (UCX RMA), "tag" (two-sided fallback), "shm" or "auto" (same host)
@@ -251,6 +253,9 @@ def _validate(cfg: Config) -> None:
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,
              f"runner.pull_timeout_s = {r.pull_timeout_s} / runner.pull_abandon_s = {r.pull_abandon_s} must be > 0")
+    _require(r.control_timeout_s > 0 and r.unreachable_backoff_s > 0,
+             f"runner.control_timeout_s = {r.control_timeout_s} / runner.unreachable_backoff_s = "
+             f"{r.unreachable_backoff_s} must be > 0")
     _require(0 <= r.http_port < 65536, f"runner.http_port = {r.http_port} is not a port")
     _require(d.alignment > 0 and d.alignment & (d.alignment - 1) == 0,
              f"dram.alignment = {d.alignment} must be a power of two")

@@ -124,6 +124,11 @@ class RunnerCollector:
                                   value=runner.num_uncertain)
         yield CounterMetricFamily("kvcr_pull_digest_mismatches", "Pulled pages whose bytes missed their digest",
                                   value=runner.puller.num_digest_mismatches)
+        yield CounterMetricFamily("kvcr_peer_unreachable", "Claims or info requests a peer did not answer",
+                                  value=runner.puller.reach.num_failures)
+        yield CounterMetricFamily("kvcr_peer_skipped_unreachable",
+                                  "Pulls not tried: the source had not answered lately (backing off)",
+                                  value=runner.puller.reach.num_skipped)
         yield CounterMetricFamily("kvcr_pull_untrusted_refused", "Pulls refused: the source is not a trusted peer",
                                   value=runner.puller.num_refused_untrusted)
         yield CounterMetricFamily("kvcr_control_unauthenticated", "CURVE clients refused",

@@ -29,6 +29,7 @@ from .drivers.ucx_rma import GetResult
 from .proto import messages as m
 from .proto.announce import Announce
 from .proto.pull import delivered_prefix, plan_segment_gets
+from .proto.reach import Reachability
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 0.5
@@ -115,6 +116,10 @@ class Puller:
     namespaces: dict[str, dict] = field(default_factory=dict)  # pool -> our namespace fields
     timeout_s: float = 5.0
     abandon_s: float = 5.0
+    # Claims and info requests: a source that answers takes milliseconds; one that does not must
+    # not hold the engine's prefetch thread for a transfer's deadline.
+    control_timeout_s: float = 2.0
+    reach: Reachability = field(default_factory=Reachability)
     lease_s: float = 0.0
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
     curve: CurveKeys | None = None
@@ -146,7 +151,7 @@ class Puller:
             return src
 
     def _connect(self, endpoint: str) -> PeerSource:
-        client = ControlClient(endpoint, timeout_s=self.timeout_s, curve=self.curve)
+        client = ControlClient(endpoint, timeout_s=self.control_timeout_s, curve=self.curve)
         try:
             return self._describe(endpoint, client, client.info())
         except BaseException:
@@ -187,10 +192,13 @@ class Puller:
                 ) -> Confirmation | None:
         """Claim the leading pages at the source. None when it has none, is busy or cannot be
         reached (a miss); PeerError when it must not be used (untrusted, another namespace)."""
+        if not self.reach.allow(endpoint, time.monotonic()):
+            return None  # it did not answer lately: a miss now, not another wait
         try:
             src = self.source(endpoint)
         except (TimeoutError, OSError, ControlError) as exc:
-            log.info("peer %s unreachable: %s", endpoint, exc)
+            log.info("peer %s unreachable (skipped until %.1f): %s", endpoint,
+                     self.reach.failed(endpoint, time.monotonic()), exc)
             return None
         sent = time.monotonic()
         try:
@@ -199,13 +207,16 @@ class Puller:
                                                       namespace=self.namespaces.get(pool, {}),
                                                       digests=self.verify_transfer_bytes))
         except ControlError as exc:
+            self.reach.answered(endpoint)
             if exc.code == "namespace":
                 raise PeerError(str(exc)) from None
             log.info("claim at %s refused: %s", endpoint, exc)
             return None
         except TimeoutError:
+            self.reach.failed(endpoint, time.monotonic())
             self.forget(endpoint)
             return None
+        self.reach.answered(endpoint)
         if reply.incarnation != src.incarnation:
             # The source restarted: what we know of its region and keys is stale. Give the claim
             # back, learn the new incarnation, and ask once more.

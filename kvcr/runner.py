@@ -357,6 +357,11 @@ class Runner:
                     self.num_pulled += committed
         return result.delivered if result is not None and not result.uncertain else 0
 
+    def count_pulled(self, pages: int) -> None:
+        """Pages a peer delivered that an engine stored here itself (its host pages came first)."""
+        with self.lock:
+            self.num_pulled += pages
+
     def spill(self, pool: str) -> int:
         """Evict DRAM down to the low watermark, writing pages NVMe lacks to NVMe first."""
         p, disk = self.pool(pool), self.disks.get(pool)

@@ -35,6 +35,7 @@ class Service:
         if cfg.runner.ucx:
             from .drivers.ucx_plane import UcxPlane  # loads libucx: only when peers are served
             from .peer import Puller
+            from .proto.reach import Reachability
 
             self.plane = UcxPlane(lanes=cfg.runner.pull_lanes)
             self.runner.plane = self.plane
@@ -42,6 +43,8 @@ class Service:
             self.runner.puller = Puller(self.plane, {name: lay.namespace.fields()
                                                      for name, lay in self.runner.layouts.items()},
                                         timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
+                                        control_timeout_s=cfg.runner.control_timeout_s,
+                                        reach=Reachability(cfg.runner.unreachable_backoff_s),
                                         trusted=trusted, curve=cfg.curve(),
                                         verify_transfer_bytes=cfg.runner.verify_transfer_bytes,
                                         transport=cfg.runner.transfer, copy_threads=cfg.runner.copy_threads,

@@ -17,32 +17,39 @@ class AdapterConfigError(ValueError):
     pass
 
 
+def _key(default: Any, meaning: str, *, factory: Any = None) -> Any:
+    """A field whose one-line meaning `--help` prints (docs/sglang.md has the long form)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": meaning})
+    return field(default=default, metadata={"help": meaning})
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterConfig:
     # Embedded runner (TP = 1): its config file and dotted overrides, as for `kvcr serve`.
-    runner_config: str = ""
-    runner: dict = field(default_factory=dict)
+    runner_config: str = _key("", "a runner config file (TOML/JSON) the `runner` keys override")
+    runner: dict = _key(None, "dotted runner keys, as for `kvcr serve --set` (dram.size, nvme.storage_dir, ...)",
+                        factory=dict)
     # Hints: from extra_info (`kv_hints`), or posted to the runner by the router (keyed by block hash).
-    use_request_hints: bool = True
-    use_posted_hints: bool = True
-    # A source's claim made in batch_exists lives this long if batch_get never comes (SGLang's
-    # prefetch can end without telling the backend). Default: a 15 s prefetch budget + 1 s.
-    claim_lease_s: float = 16.0
-    pull_timeout_s: float = 10.0
-    # Opportunistic sources: follow these peers' event streams (their runners' control or HTTP
-    # endpoints) and pull from the one holding the pages when no hint names a source.
-    peers: tuple[str, ...] = ()
-    opportunistic: bool = True
-    # TP > 1 or MLA: the control endpoint of this worker's (and DP rank's) `kvcr serve` sidecar,
-    # which every rank attaches to (class KVCRSidecarStorage; the launcher picks it).
-    sidecar: str = ""
-    # Model identity for the namespace when SGLang names none.
-    model: str = ""
+    use_request_hints: bool = _key(True, "take the source from the request's kv_hints")
+    use_posted_hints: bool = _key(True, "take the source from hints the router posted to the runner")
+    # SGLang's prefetch can end without telling the backend: a claim made in batch_exists lives
+    # this long if batch_get never comes. Default: a 15 s prefetch budget + 1 s.
+    claim_lease_s: float = _key(16.0, "how long a claim taken by batch_exists may wait for batch_get")
+    pull_timeout_s: float = _key(10.0, "a transfer's deadline before it is cancelled")
+    peers: tuple[str, ...] = _key((), "peers' runner endpoints (tcp:// control or http:// info) whose event "
+                                      "streams are followed")
+    opportunistic: bool = _key(True, "with peers: pull from the peer that announced the pages when no hint "
+                                     "names a source")
+    # TP > 1 or MLA: every rank attaches to this worker's (and DP rank's) sidecar.
+    sidecar: str = _key("", "TP > 1 or MLA: the worker's `kvcr serve` sidecar control endpoint "
+                            "(class KVCRSidecarStorage)")
+    model: str = _key("", "the model name in the namespace when SGLang names none")
 
 
-_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
-          "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool,
-          "sidecar": str}
+KEY_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
+             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool,
+             "sidecar": str}
 
 
 def _check(key: str, value: Any, tp: type) -> Any:
@@ -60,7 +67,7 @@ def parse_adapter_config(extra: dict | None) -> AdapterConfig:
         if key not in known and key not in LOADER_KEYS | CONTROLLER_KEYS:
             raise AdapterConfigError(f"kvcr extra-config has an unknown key {key!r} (known: "
                                      f"{', '.join(sorted(known | LOADER_KEYS | CONTROLLER_KEYS))})")
-    values = {k: _check(k, v, _TYPES[k]) for k, v in extra.items() if k in known}
+    values = {k: _check(k, v, KEY_TYPES[k]) for k, v in extra.items() if k in known}
     if "peers" in values:
         bad = [p for p in values["peers"] if not isinstance(p, str) or not p.startswith(("tcp://", "ipc://", "http"))]
         if bad:

@@ -2,18 +2,25 @@
 also accepts `--hicache-storage-backend kvcr`, and installs kvcr's hooks in every scheduler.
 
 `kvcr` becomes SGLang's `dynamic` backend with kvcr's module, class and zero-copy interface
-merged into the extra-config, and prefetch timeouts that leave room for a peer pull.
+merged into the extra-config, and prefetch timeouts that leave room for a peer pull. `--help` is
+SGLang's, with `kvcr` among the storage backends and kvcr's extra-config keys at the end. Once the
+engine is down, regions its killed schedulers' runners left in /dev/shm are removed.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
-from .config import AdapterConfigError, parse_adapter_config
+from kvcr.drivers.shm import sweep_stale
+
+from .config import KEY_TYPES, CONTROLLER_KEYS, AdapterConfig, AdapterConfigError, parse_adapter_config
 from .hooks import UnsupportedSGLang, check_version
 
 BACKEND_FLAG = "--hicache-storage-backend"
@@ -27,6 +34,11 @@ DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "cla
 TIMEOUTS = {"prefetch_timeout_base": 2.0, "prefetch_timeout_per_ki_token": 0.25}
 # prefix keys let a backed-up page name its parent, so its announce continues the chain routers match.
 DEFAULTS = {**TIMEOUTS, "hicache_storage_pass_prefix_keys": True}
+PROG = "python -m sglang_adapter.launch_server"
+HELP_FLAGS = frozenset({"-h", "--help"})
+KVCR_CHOICE_HELP = ("kvcr: kvcr's KV-cache reuse backend; the launcher turns it into `dynamic` with kvcr's "
+                    "module and class, and installs kvcr's hooks (its extra-config keys are listed at the end).")
+_JSON_TYPES = {str: "string", dict: "object", bool: "bool", float: "float", list: "list of strings"}
 
 
 class LaunchError(ValueError):
@@ -90,10 +102,67 @@ def rewrite_args(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _default(f: dataclasses.Field) -> object:
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return list(value) if isinstance(value, tuple) else value
+
+
+def adapter_keys_help(width: int = 79) -> str:
+    """The epilog of --help: kvcr's extra-config keys, from AdapterConfig's fields."""
+    lines = [f"kvcr extra-config keys ({EXTRA_FLAG} with {BACKEND_FLAG} kvcr:",
+             "a JSON object, @file.json or @file.toml):"]
+    for f in dataclasses.fields(AdapterConfig):
+        lines.append(f"  {f.name} ({_JSON_TYPES[KEY_TYPES[f.name]]}, default {json.dumps(_default(f))})")
+        lines += textwrap.wrap(f.metadata["help"], width,
+                               initial_indent=" " * 6, subsequent_indent=" " * 6)
+    controller = ", ".join(f"{k} (launcher default {json.dumps(DEFAULTS[k])})" if k in DEFAULTS else k
+                           for k in sorted(CONTROLLER_KEYS))
+    lines += ["", *textwrap.wrap(f"Also accepted, read by SGLang's HiCache controller: {controller}. The "
+                                 "launcher fills in backend_name, module_path, class_name and interface_v1.",
+                                 width)]
+    return "\n".join(lines)
+
+
+def build_help_parser(prog: str) -> argparse.ArgumentParser:
+    """SGLang's server parser, built as prepare_server_args builds it, with `kvcr` added to the
+    storage-backend choices. Only for --help: real arguments go through rewrite_args first."""
+    from sglang.srt.server_args import ServerArgs
+
+    # RawDescription: the epilog keeps its per-key lines (argparse would reflow them into one).
+    parser = argparse.ArgumentParser(prog=prog, epilog=adapter_keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    action = parser._option_string_actions[BACKEND_FLAG]
+    action.choices = [*action.choices, "kvcr"]
+    action.help = f"{action.help} {KVCR_CHOICE_HELP}"
+    return parser
+
+
+def reclaim_regions() -> list[str]:
+    """After the engine's processes are gone: their runners' regions (SGLang SIGKILLs the
+    schedulers, so KVCRStorage.close never unlinks them). sweep_stale logs what it removed."""
+    try:
+        return sweep_stale()
+    except OSError as exc:  # never hide why run_server ended behind a cleanup failure
+        print(f"kvcr sglang: could not sweep shared-memory regions: {exc}", file=sys.stderr)
+        return []
+
+
+def print_help(prog: str) -> int:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as before a real start: a plugin may add arguments
+    build_help_parser(prog).print_help()
+    return 0
+
+
+def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
         check_version()
-        args = rewrite_args(list(sys.argv[1:] if argv is None else argv))
+        if HELP_FLAGS.intersection(args):  # starts nothing, so it needs no valid kvcr extra-config
+            return print_help(prog)
+        args = rewrite_args(args)
     except (UnsupportedSGLang, LaunchError, OSError) as exc:
         print(f"kvcr sglang: {exc}", file=sys.stderr)
         return 2
@@ -108,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_server(server_args)
     finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+        try:
+            kill_process_tree(os.getpid(), include_parent=False)  # waits until every child is reaped
+        finally:
+            reclaim_regions()
     return 0
 
 

@@ -3,12 +3,14 @@
 A claim covers a run of keys. Two requests may share a first key and then diverge, so claims are
 found by their whole run: a read only ever collects the claim whose keys are exactly the keys it
 reads, never another request's pages. Requests that count on the same claim all own it: one of
-them ending gives it back only when no other owner is left.
+them ending gives it back only when no other owner is left. A claim granted after every request
+that asked for it ended (the source answered late) is refused on arrival, so it goes back at once.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +23,23 @@ class Pending:
     owners: set[str | None] = field(default_factory=lambda: {None})  # request ids (None: unknown)
 
 
+MAX_ENDED = 10_000  # request ids whose prefetch ended, remembered for claims granted after it
+
+
 class PendingClaims:
     def __init__(self) -> None:
         self._by_first: dict[str, list[Pending]] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, pending: Pending) -> None:
+    def add(self, pending: Pending) -> bool:
+        """Hold the claim; False (not held: give it back now) when every request that counts on it
+        has already ended its prefetch."""
         with self._lock:
+            if None not in pending.owners and all(o in self._ended for o in pending.owners):
+                return False
             self._by_first.setdefault(pending.page_hexes[0], []).append(pending)
+            return True
 
     def _match(self, keys: list[str], pos: int) -> Pending | None:
         for p in self._by_first.get(keys[pos], ()):
@@ -46,6 +57,12 @@ class PendingClaims:
                 p.owners.add(owner)
                 start += len(p.page_hexes)
         return start
+
+    def first_claimed(self, keys: list[str]) -> int:
+        """Where the first claim on exactly these keys starts (len(keys): none): the pages before
+        it are expected locally, the rest from peers."""
+        with self._lock:
+            return next((i for i in range(len(keys)) if self._match(keys, i) is not None), len(keys))
 
     def take(self, keys: list[str], pos: int) -> Pending | None:
         """Remove and return the claim whose run starts with keys[pos:] (or is their prefix)."""
@@ -66,6 +83,10 @@ class PendingClaims:
         returns the claims no request owns any more."""
         wanted = set(keys)
         with self._lock:
+            if owner is not None:
+                self._ended[owner] = None
+                while len(self._ended) > MAX_ENDED:
+                    self._ended.popitem(last=False)
             mine = [p for first, runs in self._by_first.items() if first in wanted for p in runs if owner in p.owners]
             gone = []
             for p in mine:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Callable
 
 from kvcr.proto.hints import HintError, parse_envelope
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64
@@ -27,9 +28,11 @@ def request_hint_source(raw: object, keys: list[str]) -> tuple[str, int] | None:
 
 
 def deliver_confirmed(puller, pending: PendingClaims, keys: list[str], segments: list[list[int]], n: int,
-                      segment_bytes: tuple[int, ...], slice_offset: int = 0) -> int:
+                      segment_bytes: tuple[int, ...], slice_offset: int = 0,
+                      on_delivered: Callable[[int, int, Any], None] | None = None) -> int:
     """GET what batch_exists confirmed, from keys[n] on, straight into the host pages (a TP rank:
-    its slice of each page). Returns the pages delivered whole, in order."""
+    its slice of each page). Returns the pages delivered whole, in order; `on_delivered(first,
+    count, confirmation)` is told of each claim's whole pages as they arrive."""
     delivered = 0
     while n + delivered < len(keys):
         first = n + delivered
@@ -43,6 +46,8 @@ def deliver_confirmed(puller, pending: PendingClaims, keys: list[str], segments:
             # A GET may still land in host pages SGLang will reuse: the one safe way out.
             log.critical("kvcr: a peer transfer into host pages could not be stopped (%s); exiting", result.error)
             os._exit(70)
+        if result.delivered and on_delivered is not None:
+            on_delivered(first, result.delivered, claim.conf)
         delivered += result.delivered
         if result.delivered < want:
             break

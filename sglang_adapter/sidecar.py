@@ -131,7 +131,10 @@ class KVCRSidecarStorage(HiCacheStorage):
             return 0
         if conf is None:
             return 0
-        self._pending.add(Pending(conf, keys[local:local + conf.num_pages], time.monotonic(), {owner}))
+        pending = Pending(conf, keys[local:local + conf.num_pages], time.monotonic(), {owner})
+        if not self._pending.add(pending):  # granted after its prefetch ended: nobody will collect it
+            self._give_back([pending])
+            return 0
         return conf.num_pages
 
     @property

@@ -196,7 +196,10 @@ class KVCRStorage(HiCacheStorage):
                 conf = None
             if conf is None:
                 break
-            self._pending.add(Pending(conf, keys[got:got + conf.num_pages], time.monotonic(), {owner}))
+            pending = Pending(conf, keys[got:got + conf.num_pages], time.monotonic(), {owner})
+            if not self._pending.add(pending):  # granted after its prefetch ended: nobody will collect it
+                self._give_back([pending])
+                break
             got += conf.num_pages
             if got < stop:
                 break
@@ -260,7 +263,9 @@ class KVCRStorage(HiCacheStorage):
         self._expire_pending()
         layout, runner = self.layouts[name], self.runner
         segments = layout.key_segments(host_pool, host_indices, len(keys))
-        with runner.pinned(name, self._keys(keys, name)) as pages:
+        # pages a peer confirmed are not asked of our pools (they are no local misses)
+        local = self._pending.first_claimed(keys) if name == POOL else len(keys)
+        with runner.pinned(name, self._keys(keys[:local], name)) as pages:
             scatter([(runner.region_address + runner.offset(name, page.slot), segs)
                      for page, segs in zip(pages, segments)], layout.segment_bytes)
             n = len(pages)
@@ -270,22 +275,38 @@ class KVCRStorage(HiCacheStorage):
         return [i < n for i in range(len(keys))]
 
     def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
+        def keep(first: int, count: int, conf) -> None:
+            self._keep_pulled(keys[first:first + count], segments[first:first + count], conf.announces()[:count])
+
         delivered = deliver_confirmed(self.runner.puller, self._pending, keys, segments, n,
-                                      self.layouts[POOL].segment_bytes)
+                                      self.layouts[POOL].segment_bytes, on_delivered=keep)
         self._count_peer(delivered)
         return delivered
+
+    def _keep_pulled(self, keys: list[str], segments: list[list[int]], announces: list) -> None:
+        """Pages a peer delivered into host pages are ours too (SGLang backs up only what it
+        computed): stored with the source's announces, in chain order, so our stream stays whole
+        and the next request hits here."""
+        if self._store(POOL, keys, segments, announces):
+            self.runner.count_pulled(len(keys))
 
     def _write(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool,
                announces: list[Announce] | None = None) -> list[bool]:
         """Back up host pages; a key already present (or being written) counts as stored."""
         start = time.perf_counter()
+        segments = self.layouts[name].key_segments(host_pool, host_indices, len(keys))
+        ok = self._store(name, keys, segments, announces)
+        self._count("backup", len(keys), start)
+        return [ok] * len(keys)
+
+    def _store(self, name: str, keys: list[str], segments: list[list[int]], announces) -> bool:
+        """Copy host pages (their segments) into runner slots and commit them."""
         layout, runner = self.layouts[name], self.runner
-        segments = layout.key_segments(host_pool, host_indices, len(keys))
         try:
             fill = runner.reserve(name, self._keys(keys, name), announces, lease_s=math.inf)
         except (PoolError, EventError) as exc:  # no room, or announces the runner cannot use
-            log.warning("kvcr: backup of %d %s pages refused: %s", len(keys), name, exc)
-            return [False] * len(keys)
+            log.warning("kvcr: storing %d %s pages refused: %s", len(keys), name, exc)
+            return False
         ok = True
         try:
             gather([(segs, runner.region_address + runner.offset(name, page.slot))
@@ -295,8 +316,7 @@ class KVCRStorage(HiCacheStorage):
             raise
         finally:
             runner.commit(fill.fill_id, None if ok else [False] * len(keys))
-        self._count("backup", len(keys), start)
-        return [True] * len(keys)
+        return True
 
     # --- v2: several host pools per key (hybrid models; span mode) ------------------------------
 

@@ -85,3 +85,11 @@ def test_a_salted_chain_whose_parent_was_never_stored_here_is_not_announced():
     tokens = list(range(20))
     assert AnnounceChain(4).announces(["ab" * 32], {"token_ids": tokens[:4], "cache_salt": "s"},
                                       ["cd" * 32]) is None
+
+
+@pytest.mark.parametrize("owners, held", [({"rid-late"}, False), ({"rid-late", "rid-live"}, True), ({None}, True)])
+def test_a_claim_granted_after_its_prefetch_ended_is_not_held(owners, held):
+    claims = PendingClaims()
+    assert claims.take_starting_in(["g0"], "rid-late") == []  # the prefetch ended before the grant came
+    assert claims.add(Pending(conf=object(), page_hexes=["g0", "g1"], since=0.0, owners=set(owners))) is held
+    assert len(claims) == int(held)

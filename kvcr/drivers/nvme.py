@@ -428,6 +428,9 @@ class DiskTier:
                     if len(batch) >= SCAN_BATCH:
                         self._adopt_batch(batch)
             self._adopt_batch(batch)
+            if self.num_stale_temp_removed:
+                log.warning("nvme: removed %d temporary file(s) in %s left by writers that died",
+                            self.num_stale_temp_removed, self.dir)
             self.compact_manifest()
         except OSError as exc:
             self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1

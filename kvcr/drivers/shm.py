@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import resource
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import numpy
 
 SHM_DIR = "/dev/shm"
+
+log = logging.getLogger(__name__)
 
 
 class RegionError(RuntimeError):
@@ -57,20 +60,40 @@ def region_name(runner: str, pid: int, incarnation: str) -> str:
     return f"kvcr-{runner}-{pid}-{incarnation}"
 
 
+def _owner_pid(name: str) -> int | None:
+    """The pid in a region's name (`region_name`), or None for a file that is not a region."""
+    parts = name.rsplit("-", 2)
+    if not name.startswith("kvcr-") or len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def _owner_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by another user
+        pass
+    return False
+
+
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove regions whose owning process is gone (a runner killed before it could unlink)."""
+    """Remove regions whose owning process is gone (a runner killed before it could unlink), and
+    say which: a reclaimed region means some runner did not shut down cleanly."""
     removed = []
-    for name in os.listdir(directory):
-        parts = name.rsplit("-", 2)
-        if not name.startswith("kvcr-") or len(parts) != 3 or not parts[1].isdigit():
+    for name in sorted(os.listdir(directory)):
+        pid = _owner_pid(name)
+        if pid is None or not _owner_gone(pid):
             continue
         try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
             os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except PermissionError:
-            pass  # alive, owned by another user
+        except FileNotFoundError:
+            continue  # another process starting at the same time swept it first
+        removed.append(name)
+    if removed:
+        log.warning("reclaimed %d shared-memory region(s) in %s left by processes that are gone: %s",
+                    len(removed), directory, ", ".join(removed))
     return removed
 
 

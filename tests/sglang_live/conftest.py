@@ -1,0 +1,98 @@
+"""Live SGLang engines for the `live_sglang` tests: the tiny model once per session, engines per
+module (each ~15 s to start and ~2 GB; at most three at once on this machine)."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+from tests.sglang_live.model import build_model
+from tests.sglang_live.server import LiveServer
+
+pytestmark = pytest.mark.live_sglang
+
+
+def _have_sglang() -> bool:
+    try:
+        from importlib.metadata import version
+        return version("sglang") == "0.5.23"
+    except Exception:  # noqa: BLE001 - not installed: skipped below
+        return False
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    if not _have_sglang():
+        pytest.skip("sglang 0.5.23 is not installed (make sglang-setup)")
+    return build_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_model):
+    """make(*names, runner=..., args=..., each={name: {"runner": ...}}) -> started, healthy
+    LiveServers (started together); all stopped at module end."""
+    run_dir = tmp_path_factory.mktemp("engines")
+    made: list[LiveServer] = []
+
+    def make(*names: str, each: dict | None = None, runner: dict | None = None, **options) -> list[LiveServer]:
+        servers = [LiveServer(run_dir, name, tiny_model, runner={**(runner or {}), **(each or {}).get(name, {})},
+                              **options) for name in names]
+        made.extend(servers)
+        for s in servers:
+            s.start()
+        return [s.wait_ready() for s in servers]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def generate(server: LiveServer, text: str | None = None, *, input_ids: list[int] | None = None,
+             max_new_tokens: int = 4, **extra) -> dict:
+    """A greedy /generate with logprobs; returns the response (meta_info holds cached_tokens)."""
+    body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, **extra}
+    body.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
+    return server.post("/generate", body)
+
+
+def logprobs(response: dict) -> list[tuple[float, int]]:
+    return [(round(lp, 4), tok) for lp, tok, *_ in response["meta_info"]["output_token_logprobs"]]
+
+
+def flush(server: LiveServer, timeout_s: float = 30.0) -> None:
+    """POST /flush_cache until the engine flushes (400 while requests still run)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            server.post("/flush_cache", {})
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def live():
+    """The helpers live tests share (generate, logprobs, flush)."""
+    class Live:
+        pass
+    h = Live()
+    h.generate, h.logprobs, h.flush = generate, logprobs, flush
+    return h
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """A value from Prometheus text: the sum over the samples carrying `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    samples = [line for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in want)]
+    assert samples, f"metric {name}{labels or ''} missing"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
+
+

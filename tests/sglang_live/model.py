@@ -1,0 +1,58 @@
+"""A tiny random Llama and its byte-level BPE tokenizer, built locally (nothing downloaded).
+
+One 16-token page of K and V is 2 layers x 2 KV heads x 16 dims x bf16 x 2 x 16 = 4096 bytes.
+The tokenizer adds a BOS token, as Llama's does, so a router that forgets it cannot match.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+VOCAB = 512
+WORDS = ["cache", "page", "prefix", "router", "worker", "token", "block", "hint", "pull", "claim", "event",
+         "store", "tier", "host", "peer", "model", "layer", "the", "a", "of", "and", "to", "is", "on"]
+
+
+def _corpus(n: int = 2000) -> list[str]:
+    rng = random.Random(0)
+    return [" ".join(rng.choice(WORDS) for _ in range(12)) + rng.choice([".", "!", "?", "\n"]) for _ in range(n)]
+
+
+def build_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def build_model(directory: Path, *, seed: int = 0) -> Path:
+    """Write the model and tokenizer into `directory` (created); returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(directory)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def prompt_text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))

@@ -1,0 +1,120 @@
+"""Real `python -m sglang_adapter.launch_server` processes on free ports (tests only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = Path(__file__).resolve().parent / "site"
+# --sleep-on-idle: without it an idle scheduler spins a core (shared/reference/sglang-on-cpu.md).
+CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+             "--skip-server-warmup", "--sleep-on-idle", "--max-total-tokens", "4096", "--page-size", "16",
+             "--mem-fraction-static", "0.5"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def harness_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch-extensions"))
+    env.update(extra or {})
+    return env
+
+
+class LiveServer:
+    """One engine with `--hicache-storage-backend kvcr` and its in-process runner."""
+
+    def __init__(self, run_dir: Path, name: str, model: Path, *, runner: dict | None = None,
+                 extra_config: dict | None = None, args: list[str] | None = None) -> None:
+        self.name, self.run_dir, self.model = name, run_dir, model
+        self.port = free_port()
+        self.log_path = run_dir / f"{name}.log"
+        # fixed ports, so a restarted engine's runner is the same peer to everyone
+        self.endpoints = {"control": f"tcp://127.0.0.1:{free_port()}", "events": f"tcp://127.0.0.1:{free_port()}",
+                          "replay": f"tcp://127.0.0.1:{free_port()}"}
+        self.runner_http = f"http://127.0.0.1:{free_port()}"
+        runner = {"runner.name": name, "runner.state_dir": str(run_dir / f"{name}.state"), "dram.size": "16Mi",
+                  "runner.control_endpoint": self.endpoints["control"], "events.endpoint": self.endpoints["events"],
+                  "events.replay_endpoint": self.endpoints["replay"],
+                  "runner.http_port": int(self.runner_http.rsplit(":", 1)[1]), **(runner or {})}
+        self.extra = {"runner": runner, **(extra_config or {})}
+        self.args = list(args or [])
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang_adapter.launch_server", "--model-path", str(self.model),
+                "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
+                "--hicache-storage-backend", "kvcr", "--hicache-storage-backend-extra-config",
+                json.dumps(self.extra), *self.args]
+
+    def start(self) -> "LiveServer":
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT, env=harness_env(),
+                                     cwd=ROOT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 180.0) -> "LiveServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if self.get("/health", timeout_s=2) is not None:
+                    return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy within {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def get(self, path: str, timeout_s: float = 30.0):
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            body = r.read()
+        return json.loads(body) if body.strip().startswith((b"{", b"[")) else body.decode()
+
+    def post(self, path: str, body: dict, timeout_s: float = 120.0):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+        return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+
+    def runner_get(self, path: str, timeout_s: float = 10.0):
+        """GET from the engine's in-process runner (its /info, /metrics)."""
+        with urllib.request.urlopen(self.runner_http + path, timeout=timeout_s) as r:
+            body = r.read()
+        return json.loads(body) if path != "/metrics" else body.decode()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,116 @@
+"""The CPU harness's patches to SGLang 0.5.23, applied as post-import hooks (tests only).
+
+Each replaces code that assumes CUDA and nothing else:
+1. `HostKVCache.__init__`: no pinned host memory (cudaHostRegister needs CUDA);
+2. `MHATokenToKVPoolHost.backup_from_device_all_layer` / `load_to_device_per_layer`: plain torch
+   index copies between the CPU "device" pool and the host pool (the originals call
+   sgl_kernel.kvcacheio, imported only on CUDA/HIP/XPU);
+3. `torch.cpu.Stream.synchronize` / `query`, missing in torch 2.13.0+cpu.
+The storage backend, the cache controller and the scheduler run unpatched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+
+
+def _token_view(host, buf, layer: int, idx):
+    """(view, index) addressing token slots `idx` of one layer of a host K or V buffer."""
+    ps = host.page_size
+    if host.layout == "layer_first":
+        return buf[layer], (idx,)
+    if host.layout == "page_first":
+        return buf[:, layer], (idx,)
+    if host.layout == "page_first_direct":
+        return buf[:, layer], (idx // ps, idx % ps)
+    if host.layout == "page_head":
+        return buf[:, :, :, layer], (idx // ps, slice(None), idx % ps)
+    raise NotImplementedError(f"CPU harness: host layout {host.layout}")
+
+
+def _copy_layer(host, layer: int, host_indices, device_indices, to_host: bool) -> None:
+    hidx, didx = host_indices.long().cpu(), device_indices.long().cpu()
+    for buf, dev in ((host.k_buffer, host.device_k_buffers[layer]), (host.v_buffer, host.device_v_buffers[layer])):
+        view, index = _token_view(host, buf, layer, hidx)
+        if to_host:
+            view[index] = dev[didx].to(view.dtype)
+        else:
+            dev[didx] = view[index].to(dev.dtype)
+
+
+def _backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+    for layer in range(self.layer_num):
+        _copy_layer(self, layer, host_indices, device_indices, to_host=True)
+
+
+def _load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
+                              is_draft: bool = False):
+    if not is_draft and not 0 <= layer_id < self.target_layer_num:
+        return
+    _copy_layer(self, layer_id, host_indices, device_indices, to_host=False)
+
+
+def _patch_base(module) -> None:
+    original = module.HostKVCache.__init__
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        kwargs["pin_memory"] = False
+        original(self, *args, **kwargs)
+    module.HostKVCache.__init__ = init
+
+
+def _patch_mha(module) -> None:
+    module.MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
+    module.MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
+
+
+def _patch_torch(module) -> None:
+    stream = module.cpu.Stream
+    stream.synchronize = lambda self: None
+    stream.query = lambda self: True
+
+
+def _stub_torchvision(module) -> None:
+    from sglang_adapter.torchvision_stub import install
+
+    install()
+
+
+PATCHES = {
+    "torch": _patch_torch,
+    "transformers.utils.import_utils": _stub_torchvision,
+    "sglang.srt.mem_cache.pool_host.base": _patch_base,
+    "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
+}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, patch) -> None:
+        self.inner, self.patch = inner, patch
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        self.patch(module)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        patch = PATCHES.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, patch)
+        return spec
+
+
+def install() -> None:
+    if not any(isinstance(f, _PostImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImport())

@@ -1,0 +1,76 @@
+"""Live test 1: an engine with `--hicache-storage-backend kvcr` backs its pages up into kvcr,
+announces them with the engine's own hashes, and serves them back after /flush_cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import zmq
+
+from kvcr.client import ControlClient
+from kvcr.proto.events import BlockStored, decode_frames
+from tests.conftest import wait_until
+from tests.sglang_live.conftest import metric
+from tests.sglang_live.model import prompt_text
+from tests.sglang_live.server import free_port
+
+pytestmark = pytest.mark.live_sglang
+PAGE = 16
+
+
+def stored_hashes(events) -> set[int]:
+    return {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
+
+
+class EngineEvents:
+    """SGLang's own KV event stream (its ZMQ publisher), read as Dynamo would."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.events: list = []
+
+    def drain(self) -> set[int]:
+        while self.sock.poll(200):
+            self.events.extend(decode_frames(self.sock.recv_multipart())[2].events)
+        return stored_hashes(self.events)
+
+
+@pytest.fixture(scope="module", params=["layer_first", "page_first"])
+def engine(request, engines):
+    port = free_port()
+    kv_events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "bind": True, "topic": ""}
+    (server,) = engines(f"backup-{request.param}", args=[
+        "--hicache-mem-layout", request.param, "--hicache-storage-prefetch-policy", "wait_complete",
+        "--kv-events-config", json.dumps(kv_events)])
+    server.engine_events = EngineEvents(kv_events["endpoint"])
+    return server
+
+
+def runner_snapshot(server) -> set[int]:
+    with ControlClient(server.endpoints["control"]) as client:
+        return stored_hashes(client.snapshot()[1])
+
+
+def test_backed_up_pages_are_announced_with_the_engines_hashes_and_hit_after_a_flush(engine, live):
+    text = prompt_text(11, 600)
+    first = live.generate(engine, text)
+    prompt = first["meta_info"]["prompt_tokens"]
+    full = prompt // PAGE
+    announced = wait_until(lambda: runner_snapshot(engine) if len(runner_snapshot(engine)) >= full else None,
+                           timeout_s=30, message="the prompt's pages backed up into kvcr")
+    engine_hashes = wait_until(lambda: engine.engine_events.drain() or None, timeout_s=10,
+                               message="SGLang's own stored events")
+    assert len(announced) == full
+    assert announced <= engine_hashes, "kvcr announced hashes the engine itself never published"
+    live.flush(engine)
+    again = live.generate(engine, text)
+    meta = again["meta_info"]
+    assert meta["cached_tokens"] == full * PAGE
+    assert meta["cached_tokens_details"]["storage"] == full * PAGE
+    assert meta["cached_tokens_details"]["storage_backend"] == "KVCRStorage"
+    assert again["output_ids"] == first["output_ids"]
+    assert live.logprobs(again) == live.logprobs(first)
+    assert metric(engine.runner_get("/metrics"), "kvcr_hits_total") >= full

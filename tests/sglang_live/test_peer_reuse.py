@@ -1,0 +1,64 @@
+"""Live test 2: engine B, given a `kv_hints` envelope naming engine A's pages, confirms and claims
+them at A, pulls them (UCX GETs, or the same-host copy) into its host pages, reports exactly the
+confirmed pages as cached, answers as A did, and keeps the pages in its own runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcr.client import ControlClient
+from kvcr.proto.events import BlockStored
+from kvcr.proto.hints import build_envelope
+from tests.conftest import wait_until
+from tests.sglang_live.conftest import metric
+from tests.sglang_live.model import prompt_text
+
+pytestmark = pytest.mark.live_sglang
+PAGE = 16
+WAIT = ["--hicache-storage-prefetch-policy", "wait_complete"]
+
+
+def chain(server) -> list[BlockStored]:
+    with ControlClient(server.endpoints["control"]) as client:
+        return [e for e in client.snapshot()[1] if isinstance(e, BlockStored)]
+
+
+def hashes(server) -> list[int]:
+    return [h for e in chain(server) for h in e.block_hashes]
+
+
+@pytest.fixture(scope="module")
+def trio(engines):
+    a, b_get, b_shm = engines("peer-A", "peer-B-get", "peer-B-shm", args=WAIT,
+                              each={"peer-B-get": {"runner.transfer": "get"}, "peer-B-shm": {"runner.transfer": "shm"}})
+    return a, {"get": b_get, "shm": b_shm}
+
+
+@pytest.mark.parametrize("transfer", ["get", "shm"])
+def test_a_hinted_engine_pulls_the_peers_pages_and_answers_as_the_peer(trio, transfer, live):
+    a, bs = trio
+    b = bs[transfer]
+    text = prompt_text(100 + len(transfer), 500)
+    first = live.generate(a, text)
+    full = first["meta_info"]["prompt_tokens"] // PAGE
+    wait_until(lambda: len(hashes(a)) >= full, timeout_s=30, message="A's pages backed up")
+    hint = build_envelope(a.endpoints["control"], hashes(a))
+    pulled = live.generate(b, text, kv_hints=hint)
+    meta = pulled["meta_info"]
+    assert meta["cached_tokens"] == full * PAGE
+    assert meta["cached_tokens_details"]["storage"] == full * PAGE
+    assert pulled["output_ids"] == first["output_ids"]
+    assert live.logprobs(pulled) == live.logprobs(first)
+    wait_until(lambda: metric(a.runner_get("/metrics"), "kvcr_claims_held") == 0, timeout_s=10,
+               message="A's claims released")
+    b_metrics = b.runner_get("/metrics")
+    assert metric(b_metrics, "kvcr_pulled_pages_total") >= full
+    # B keeps what it pulled, announced whole from the root: no hint needed next time
+    b_chain = chain(b)
+    assert set(hashes(a)) <= set(hashes(b))
+    roots = [e for e in b_chain if e.parent_block_hash is None]
+    assert roots and roots[0].block_hashes[0] == hashes(a)[0]
+    live.flush(b)
+    again = live.generate(b, text)
+    assert again["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
+    assert live.logprobs(again) == live.logprobs(first)
