@@ -14,6 +14,10 @@ SGLANG_DEPS := numpy orjson psutil pybase64 requests packaging pillow triton==3.
 SGLANG_POOL_DEPS := transformers==5.19.0 dill loguru setproctitle==1.3.8 openai==3.57.0 partial-json-parser==0.2.1.1.post7 \
 	einops==0.8.2 uvicorn==0.54.0 fastapi==0.165.0
 SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf
+# A live `sglang.launch_server` (the live tests, `kvcr demo --engine sglang`): its HTTP server,
+# tokenizer manager and scheduler import these too.
+SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-client jsonschema xgrammar==0.2.9 \
+	soundfile
 
 .PHONY: demo test setup sglang-setup dynamo-setup system-deps bench clean
 
@@ -33,7 +37,7 @@ $(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install '$(TORCH)'
 	$(PIP) download --no-deps '$(SGLANG)' -d $(VENV)/wheels
 	$(PIP) install --no-deps $(VENV)/wheels/sglang-0.5.23-*.whl
-	$(PIP) install $(SGLANG_DEPS) $(SGLANG_POOL_DEPS) '$(TORCH)'
+	$(PIP) install $(SGLANG_DEPS) $(SGLANG_POOL_DEPS) $(SGLANG_SERVER_DEPS) '$(TORCH)'
 	$(PIP) install --no-deps $(SGLANG_NODEPS)
 	touch $@
 

@@ -8,7 +8,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import zmq
 
@@ -37,6 +37,10 @@ class ControlClient:
         self._ctx = ctx or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._sock = self._connect()
+        # With a handler, a request that timed out keeps the socket: its late reply goes to the
+        # handler (a late grant must be released on the socket that owns it). Without, start afresh.
+        self.on_late_reply: Callable[[m.Message], None] | None = None
+        self._abandoned: set[int] = set()
 
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -62,11 +66,28 @@ class ControlClient:
         timeout_ms = self.timeout_ms if timeout_ms is None else timeout_ms
         reply = self.poll_reply(request_id, timeout_ms)
         if reply is None:
-            # A late reply would be read as the answer to the next request: start afresh.
-            self._sock.close()
-            self._sock = self._connect()
+            if self.on_late_reply is not None:
+                self._abandoned.add(request_id)
+            else:  # nobody would act on a late reply: drop it with the socket
+                self._sock.close()
+                self._sock = self._connect()
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_ms} ms")
         return reply
+
+    @property
+    def num_abandoned(self) -> int:
+        """Requests that timed out whose late reply has not come (yet)."""
+        return len(self._abandoned)
+
+    def drain_late(self) -> None:
+        """Read replies that arrived after their request timed out (no wait)."""
+        self.poll_reply(0, 0)  # request ids start at 1: every reply read here is a late one
+
+    def _late(self, reply: m.Message) -> None:
+        if reply.request_id in self._abandoned:
+            self._abandoned.discard(reply.request_id)
+            if self.on_late_reply is not None:
+                self.on_late_reply(reply)
 
     def send(self, msg: m.Message) -> int:
         """Send a request without waiting; returns its id for poll_reply."""
@@ -86,6 +107,7 @@ class ControlClient:
                 if isinstance(reply, m.Error):
                     raise ControlError(reply.code, reply.message)
                 return reply
+            self._late(reply)
 
     def request(self, msg: m.Message, *, timeout_s: float | None = None) -> m.Message:
         request_id = self.send(msg)

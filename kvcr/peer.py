@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import random
@@ -37,6 +38,8 @@ OUTSIDE_REGISTERED = "pages outside the memory the source had registered when we
 LEASE_MARGIN = 0.2  # of the lease: slack for clock-rate differences between us and the source
 SENDER_WAIT_S = 0.01  # the release sender's wait for one source's socket before it looks at others
 RELEASE_LINGER_MS = 200  # a forgotten source's socket still delivers the releases just sent
+LATE_POLL_S = 0.2        # how often a timed-out claim's socket is read for the late grant
+LATE_GRANT_WAIT_S = 30.0  # how long a late grant is waited for when we asked for no particular lease
 
 
 class PeerError(RuntimeError):
@@ -153,10 +156,36 @@ class Puller:
     def _connect(self, endpoint: str) -> PeerSource:
         client = ControlClient(endpoint, timeout_s=self.control_timeout_s, curve=self.curve)
         try:
-            return self._describe(endpoint, client, client.info())
+            src = self._describe(endpoint, client, client.info())
         except BaseException:
             client.close()
             raise
+        client.on_late_reply = functools.partial(self._late_reply, src)
+        return src
+
+    @staticmethod
+    def _late_reply(src: PeerSource, reply: m.Message) -> None:
+        """A claim granted after we stopped waiting (the source was stalled): nobody will read
+        those pages, so it goes back now rather than at its lease end."""
+        if isinstance(reply, m.Granted) and reply.offsets:
+            src.releases.append(m.ReleaseRequest(claim_id=reply.claim_id))
+
+    def _await_late_grants(self, src: PeerSource, until: float) -> None:
+        """After a claim timed out: read the source's late answers until the lease it would have
+        granted is over (or every answer came), releasing late grants on the socket that owns them."""
+        def poll() -> None:
+            with src.lock:
+                if src.closed:
+                    return
+                with contextlib.suppress(zmq.ZMQError):
+                    src.client.drain_late()
+                src.flush_releases()
+                pending = src.client.num_abandoned
+            if pending and time.monotonic() < until:
+                timer = threading.Timer(LATE_POLL_S, poll)
+                timer.daemon = True
+                timer.start()
+        poll()
 
     def _describe(self, endpoint: str, client: ControlClient, info: dict) -> PeerSource:
         if info["protocol"][0] != m.PROTOCOL_MAJOR:
@@ -213,8 +242,9 @@ class Puller:
             log.info("claim at %s refused: %s", endpoint, exc)
             return None
         except TimeoutError:
+            # Stalled or gone: skipped for a while; a grant it sends late is given straight back.
             self.reach.failed(endpoint, time.monotonic())
-            self.forget(endpoint)
+            self._await_late_grants(src, time.monotonic() + (self.lease_s or LATE_GRANT_WAIT_S))
             return None
         self.reach.answered(endpoint)
         if reply.incarnation != src.incarnation:

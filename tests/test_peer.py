@@ -371,3 +371,41 @@ def test_a_source_whose_pages_are_another_size_is_refused(runner_factory, puller
     puller.page_bytes = {"kv": PAGE * 2}  # we would overrun our buffers with its pages
     assert puller.confirm(ai["endpoints"]["control"], "kv", keys) is None
     no_claims_left(ai)
+
+
+def metric_value(info, name: str) -> float:
+    text = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_claim_granted_after_the_puller_gave_up_is_released_at_once(runner_factory):
+    # A stalled source (SIGSTOP) answers the claim after our 1 s wait: the grant must go straight
+    # back, not hold its pages for the source's 60 s lease.
+    a, ai, b, bi = start_pair(runner_factory, a_overrides={"runner.lease_seconds": 60.0},
+                              b_overrides={"runner.control_timeout_s": 1.0})
+    wait_registered(ai)
+    keys, _, _ = store(ai, 8, seed=7)
+    warm, _, _ = store(ai, 2, seed=17)
+    assert pull(bi, ai, warm) == 2  # B knows A: what stalls below is the claim itself
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert pull(bi, ai, keys) == 0  # a miss, after one control timeout
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert metric_value(bi, "kvcr_peer_unreachable_total") == 1
+    # the claim was granted (its pages counted as hits at A), then given back long before its lease
+    wait_until(lambda: metric_value(ai, "kvcr_hits_total") >= 2 + 8 and claims_held(ai) == 0, 20, 0.1,
+               "the late grant released")
+
+
+@pytest.mark.parametrize("requests", [2, 3])
+def test_an_unreachable_source_is_asked_once_then_skipped(runner_factory, requests):
+    b = runner_factory("b", **{"dram.pools": POOLS, "runner.peers": ["*"], "runner.control_timeout_s": 0.5,
+                               "runner.unreachable_backoff_s": 120.0})
+    bi = b.start()
+    dead = {"endpoints": {"control": "tcp://127.0.0.1:9"}}  # discard port: nothing answers
+    keys, _, _ = pages_for(4, seed=8, page_bytes=PAGE)
+    for _ in range(requests):
+        assert pull(bi, dead, keys) == 0
+    assert metric_value(bi, "kvcr_peer_unreachable_total") == 1
+    assert metric_value(bi, "kvcr_peer_skipped_unreachable_total") == requests - 1

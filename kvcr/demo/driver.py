@@ -32,6 +32,11 @@ class Outcome:
     latency_s: float
     oracle: dict | None
     error: str | None = None
+    # SGLang engines only: prompt pages from the engine's own tiers, and whether the token ids the
+    # router hashed are the engine's (None: not checked)
+    device_pages: int = 0
+    host_pages: int = 0
+    prompt_ids_match: bool | None = None
 
 
 class Driver:
@@ -98,6 +103,12 @@ def add_arguments(p) -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--info-file", help="written once the driver runs")
+    p.add_argument("--engine", default="worker", choices=("worker", "sglang"))
+    # --engine sglang (sglang_driver.py)
+    p.add_argument("--reference", help="sglang: the reference engine's URL (cold computations, the oracle)")
+    p.add_argument("--runners", help="sglang: NAME=URL,... each engine's runner HTTP endpoint (its /metrics)")
+    p.add_argument("--tokenizer", help="sglang: the engines' tokenizer directory (the model's)")
+    p.add_argument("--page-size", type=int, default=16, help="sglang: the engines' page size")
 
 
 def run_process(args) -> int:
@@ -118,7 +129,12 @@ def run_process(args) -> int:
             tmp.write_text(json.dumps({"pid": os.getpid(), "requests": sum(len(p.steps) for p in phases),
                                        "phases": [p.name for p in phases]}))
             os.replace(tmp, args.info_file)
-        Driver(args.router, workers, convs, max_tokens=args.max_tokens, concurrency=len(workers),
-               record=record).run(phases)
+        if args.engine == "sglang":
+            from .sglang_driver import SGLangDriver
+
+            SGLangDriver.from_args(args, workers, convs, record).run(phases)
+        else:
+            Driver(args.router, workers, convs, max_tokens=args.max_tokens, concurrency=len(workers),
+                   record=record).run(phases)
         record("done", True)
     return 0

@@ -1,5 +1,8 @@
 """`kvcr demo`: start a router and N workers on loopback, drive the workload, check every answer
-served from cached KV against the oracle, then write summary.json and chart.png."""
+served from cached KV against the oracle, then write summary.json and chart.png.
+
+`--engine worker` (the default) runs `kvcr worker` processes; `--engine sglang` runs live SGLang
+0.5.23 engines with kvcr's backend instead (kvcr/demo/sglang_engines.py)."""
 
 from __future__ import annotations
 
@@ -19,17 +22,26 @@ from .httpc import get_json
 from .procs import Child, stop_all
 
 
+ENGINES = ("worker", "sglang")
+# per-engine defaults of the options left unset (None)
+DEFAULTS = {"worker": {"workers": 3, "dram": "8Mi"}, "sglang": {"workers": 2, "dram": "1Mi"}}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--engine", default="worker", choices=ENGINES,
+                   help="worker: `kvcr worker` processes (torch model); sglang: live SGLang 0.5.23 engines with "
+                        "kvcr's backend, plus a reference engine for the oracle (needs `make sglang-setup`)")
+    p.add_argument("--workers", type=int, default=None, help="engines behind the router (default 3; sglang: 2)")
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (at least 2)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--transport", default="get", choices=("get", "tag", "shm", "auto"),
                    help="peer pulls: UCX RMA get, UCX tagged send, or a same-host shared-memory copy")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
-    p.add_argument("--dram", default="8Mi", help="DRAM pool per worker (small, so NVMe is used too)")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--dram", default=None,
+                   help="kvcr DRAM pool per worker (small, so NVMe is used too; default 8Mi, sglang: 1Mi)")
+    p.add_argument("--layers", type=int, default=6, help="worker engine's model (sglang: a fixed tiny Llama)")
+    p.add_argument("--hidden", type=int, default=256, help="worker engine's model (sglang: a fixed tiny Llama)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="kvcr-demo", help="where summary.json, chart.png and logs go")
     p.add_argument("--hold", action="store_true", help="keep everything running for inspection until Ctrl-C")
@@ -41,6 +53,10 @@ def _say(msg: str) -> None:
 
 
 class Demo:
+    """The `kvcr worker` variant; SGLangDemo (sglang_engines.py) replaces the engines."""
+
+    engine = "worker"
+
     def __init__(self, args: argparse.Namespace, run_dir: Path, tmp: Path) -> None:
         self.args = args
         self.run_dir = run_dir
@@ -49,6 +65,7 @@ class Demo:
         self.children: list[Child] = []
         self.workers: list[Child] = []
         self.router: Child | None = None
+        self.feed: OutcomeFeed | None = None
 
     def start(self) -> None:
         a, logs = self.args, self.run_dir / "logs"
@@ -81,30 +98,47 @@ class Demo:
             ep = w.info["kvcr_runner"]["endpoints"]
             _say(f"      {w.name} {w.url}/metrics  runner control {ep['control']}  events {ep['events']}")
 
+    @property
+    def worker_names(self) -> list[str]:
+        return [w.name for w in self.workers]
+
     def snapshot(self) -> dict[str, dict]:
+        """Per worker: {"tiers": its runner's tiers, "stats": its request counts} (the live table, the summary)."""
         return {w.name: get_json(w.url + "/server_info") for w in self.workers}
+
+    def driver_args(self) -> list[str]:
+        return []
 
     def drive(self) -> tuple[list, float]:
         """Run the workload driver (its own process) and watch it until it is done."""
         a = self.args
         out = self.tmp / "outcomes.jsonl"
         driver = Child(self.run_dir / "logs", "driver", [
-            "demo-driver", "--router", self.router.url, "--workers", ",".join(w.name for w in self.workers),
+            "demo-driver", "--router", self.router.url, "--workers", ",".join(self.worker_names),
             "--out", str(out), "--seed", str(a.seed), "--conversations", str(a.conversations),
-            "--turns", str(a.turns), "--max-tokens", str(a.max_tokens)], self.env)
+            "--turns", str(a.turns), "--max-tokens", str(a.max_tokens), *self.driver_args()], self.env)
         self.children.append(driver)
         start = time.monotonic()
         driver.start()
         plan = driver.wait_ready()
         _say(f"[3/4] workload (driver pid {plan['pid']}): {a.conversations} conversations x {a.turns} turns in "
              f"phases {', '.join(plan['phases'])} ({plan['requests']} requests)")
-        feed = OutcomeFeed(out)
+        feed = self.feed = OutcomeFeed(out)
         _watch(self, feed, driver, plan["requests"])
         feed.read()
         if not feed.done:
             raise RuntimeError(f"the workload driver exited with code {driver.proc.returncode}:\n"
                                f"{driver.log_path.read_text()[-2000:]}")
         return feed.outcomes, time.monotonic() - start
+
+    def hold_text(self) -> str:
+        w = self.workers[0].info["kvcr_runner"]["endpoints"]
+        return (f"  kvcr info {w['control']}\n"
+                f"  kvcr events tail --endpoint {w['events']} --replay {w['replay']} --snapshot {w['control']}\n"
+                f"  curl -s {self.router.url}/metrics | grep kvcr_router")
+
+    def stop(self) -> None:
+        stop_all(self.children)
 
 
 class OutcomeFeed:
@@ -155,7 +189,8 @@ def _watch(demo: Demo, feed: OutcomeFeed, driver: Child, total: int) -> None:
             t0, e0 = last_events.get(name, (now, info["tiers"]["events"]))
             rates[name] = (info["tiers"]["events"] - e0) / (now - t0) if now > t0 else 0.0
             last_events[name] = (now, info["tiers"]["events"])
-        return live_table(feed.phase, len(feed.outcomes), total, infos, rates, oracle_summary(feed.outcomes))
+        return live_table(feed.phase, len(feed.outcomes), total, infos, rates,
+                          oracle_summary(feed.outcomes, demo.engine), engine=demo.engine)
 
     if not demo.args.no_live and console.is_terminal:
         with Live(frame(), console=console, refresh_per_second=4) as view:
@@ -174,8 +209,13 @@ def _watch(demo: Demo, feed: OutcomeFeed, driver: Child, total: int) -> None:
 def _verdict(summary: dict) -> list[str]:
     problems = [f"request failed: {e}" for e in summary["errors"]]
     if summary["oracle"]["mismatches"]:
+        what = "a cold computation on the reference engine" if summary["engine"] == "sglang" else \
+            "a local recomputation"
         problems.append(f"ORACLE MISMATCH: {summary['oracle']['mismatches']} answers served from cached KV differ "
-                        "from a local recomputation")
+                        f"from {what}")
+    if summary["oracle"].get("prompt_ids_mismatches"):
+        problems.append(f"{summary['oracle']['prompt_ids_mismatches']} prompts: the token ids the router hashed "
+                        "differ from the engine's")
     if summary["peer_hits"] == 0:
         problems.append("no page was pulled from a peer")
     return problems
@@ -188,7 +228,8 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
 
     a = demo.args
     options = {k: v for k, v in vars(a).items() if k != "func"}
-    summary = summarize(outcomes, demo.snapshot(), page_size=a.page_size, elapsed_s=elapsed, options=options)
+    summary = summarize(outcomes, demo.snapshot(), page_size=a.page_size, elapsed_s=elapsed, options=options,
+                        engine=demo.engine)
     problems = _verdict(summary)
     summary["ok"] = not problems
     summary["problems"] = problems
@@ -197,9 +238,14 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
     console = Console(stderr=True)
     console.print(summary_table(summary))
     o = summary["oracle"]
-    _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
-         f"{o['chunked_bitwise_equal']} bitwise equal to a local run, max |Δ| vs one-shot prefill "
-         f"{o['max_abs_vs_one_shot']:.2e} (limit 1e-4)")
+    if demo.engine == "sglang":
+        _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
+             f"{o['output_ids_equal']} with the cold reference's output token ids, {o['logprobs_equal']} with its "
+             f"logprobs (top-{o['top_logprobs']} too), bitwise; max |Δ logprob| {o['max_abs_logprob']:.2e}")
+    else:
+        _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
+             f"{o['chunked_bitwise_equal']} bitwise equal to a local run, max |Δ| vs one-shot prefill "
+             f"{o['max_abs_vs_one_shot']:.2e} (limit 1e-4)")
     _say(f"      wrote {demo.run_dir / 'summary.json'} and {demo.run_dir / 'chart.png'}")
     for p in problems:
         _say(f"demo FAILED: {p}")
@@ -209,16 +255,29 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
 
 
 def _hold(demo: Demo) -> None:
-    w = demo.workers[0].info["kvcr_runner"]["endpoints"]
-    _say("holding (Ctrl-C to stop). Try:\n"
-         f"  kvcr info {w['control']}\n"
-         f"  kvcr events tail --endpoint {w['events']} --replay {w['replay']} --snapshot {w['control']}\n"
-         f"  curl -s {demo.router.url}/metrics | grep kvcr_router")
+    _say("holding (Ctrl-C to stop). Try:\n" + demo.hold_text())
     while True:
         time.sleep(3600)
 
 
+def _resolve(args: argparse.Namespace) -> None:
+    for key, value in DEFAULTS[args.engine].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def run(args: argparse.Namespace) -> int:
+    _resolve(args)
+    demo_class = Demo
+    if args.engine == "sglang":
+        from .sglang_engines import SGLangDemo, SGLangMissing, require_sglang
+
+        try:
+            require_sglang()
+        except SGLangMissing as exc:
+            _say(f"kvcr demo --engine sglang: {exc}")
+            return 2
+        demo_class = SGLangDemo
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "chart.png"):
@@ -226,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM takes the same way out as Ctrl-C: every child is stopped, the temp dir removed.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="kvcr-demo-") as tmp:
-        demo = Demo(args, run_dir, Path(tmp))
+        demo = demo_class(args, run_dir, Path(tmp))
         rc = None
         try:
             demo.start()
@@ -238,5 +297,5 @@ def run(args: argparse.Namespace) -> int:
             _say("stopping workers and router")
             return 130 if rc is None else rc
         finally:
-            stop_all(demo.children)
+            demo.stop()
             sweep_stale()  # regions of a child that had to be killed

@@ -12,6 +12,8 @@ import logging
 import mmap
 import os
 import resource
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy
@@ -97,6 +99,33 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+# Runs detached (double fork: out of the owner's process tree, which engines kill whole): waits
+# for the owner to exit, however it exits, and unlinks its region if it is still there.
+_REAPER = """
+import os, select, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+pid, path = int(sys.argv[1]), sys.argv[2]
+try:
+    select.select([os.pidfd_open(pid)], [], [])
+except OSError:
+    while os.path.exists("/proc/%d" % pid):
+        time.sleep(0.5)
+try:
+    os.unlink(path)
+except FileNotFoundError:
+    pass
+"""
+
+
+def reap_on_exit(path: str) -> None:
+    """Unlink `path` once this process is gone, even if it is SIGKILLed (SGLang kills its
+    schedulers; a runner inside one never reaches its close)."""
+    subprocess.run([sys.executable, "-S", "-c", _REAPER, str(os.getpid()), path], check=True, timeout=10,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 @dataclass
 class Region:
     path: str
@@ -129,6 +158,7 @@ class Region:
             raise RegionError(f"dram.size = {size} bytes could not be reserved in {directory}: {exc}") from None
         os.close(fd)
         region = cls(path, size, mm, owner=True)
+        reap_on_exit(path)
         if lock_memory:
             try:
                 region._lock()

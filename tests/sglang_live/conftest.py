@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang_live.model import build_model
-from tests.sglang_live.server import LiveServer
+from sglang_adapter.cpu_harness.model import build_model
+from sglang_adapter.cpu_harness.server import LiveServer
 
 pytestmark = pytest.mark.live_sglang
 

@@ -12,8 +12,8 @@ from kvcr.client import ControlClient
 from kvcr.proto.events import BlockStored, decode_frames
 from tests.conftest import wait_until
 from tests.sglang_live.conftest import metric
-from tests.sglang_live.model import prompt_text
-from tests.sglang_live.server import free_port
+from sglang_adapter.cpu_harness.model import prompt_text
+from sglang_adapter.cpu_harness.server import free_port
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

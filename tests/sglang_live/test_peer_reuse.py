@@ -11,7 +11,7 @@ from kvcr.proto.events import BlockStored
 from kvcr.proto.hints import build_envelope
 from tests.conftest import wait_until
 from tests.sglang_live.conftest import metric
-from tests.sglang_live.model import prompt_text
+from sglang_adapter.cpu_harness.model import prompt_text
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

@@ -1,4 +1,4 @@
-"""The CPU harness's patches to SGLang 0.5.23, applied as post-import hooks (tests only).
+"""The CPU harness's patches to SGLang 0.5.23, applied as post-import hooks (development only: sglang_adapter.cpu_harness).
 
 Each replaces code that assumes CUDA and nothing else:
 1. `HostKVCache.__init__`: no pinned host memory (cudaHostRegister needs CUDA);

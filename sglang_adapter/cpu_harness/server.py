@@ -1,4 +1,4 @@
-"""Real `python -m sglang_adapter.launch_server` processes on free ports (tests only)."""
+"""Real `python -m sglang_adapter.launch_server` processes on free ports (development only)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "site"
+VENV = Path(sys.prefix)
 # --sleep-on-idle: without it an idle scheduler spins a core (shared/reference/sglang-on-cpu.md).
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
              "--skip-server-warmup", "--sleep-on-idle", "--max-total-tokens", "4096", "--page-size", "16",
@@ -31,7 +32,7 @@ def harness_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch-extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV / "torch-extensions"))  # SGLang's page hash, built once
     env.update(extra or {})
     return env
 
