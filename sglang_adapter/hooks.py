@@ -15,6 +15,7 @@ queries; the end hook: terminate and revoke); they are version-gated because the
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections import OrderedDict
 from importlib import metadata
@@ -195,6 +196,13 @@ def _notify_prefetch_revoked(method):
 
 
 _installed = False
+
+
+def install_if_launched() -> None:
+    """In an engine started by the launcher (KVCR_SGLANG_HOOKS=1, inherited by every scheduler):
+    install the hooks. Each backend module calls it on import, as SGLang loads it in a scheduler."""
+    if os.environ.get("KVCR_SGLANG_HOOKS") == "1":
+        install()
 
 
 def install() -> None:

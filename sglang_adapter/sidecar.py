@@ -34,6 +34,7 @@ from .pending import Pending, PendingClaims
 from .pulls import deliver_confirmed, request_hint_source
 
 log = logging.getLogger(__name__)
+hooks.install_if_launched()  # TP > 1 engines load this module, not storage.py
 POOL = "kv"
 SHARD_LEASE_S = 30.0  # every rank's backup of a batch must land within this, or the pages are dropped
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,8 +47,7 @@ from .pulls import deliver_confirmed, request_hint_source
 log = logging.getLogger(__name__)
 POOL = "kv"
 
-if os.environ.get("KVCR_SGLANG_HOOKS") == "1":  # set by the launcher; this import runs in each scheduler
-    hooks.install()
+hooks.install_if_launched()
 
 
 @dataclass

@@ -41,7 +41,7 @@ class LiveServer:
     """One engine with `--hicache-storage-backend kvcr` and its in-process runner."""
 
     def __init__(self, run_dir: Path, name: str, model: Path, *, runner: dict | None = None,
-                 extra_config: dict | None = None, args: list[str] | None = None) -> None:
+                 extra_config: dict | None = None, args: list[str] | None = None, env: dict | None = None) -> None:
         self.name, self.run_dir, self.model = name, run_dir, model
         self.port = free_port()
         self.log_path = run_dir / f"{name}.log"
@@ -53,8 +53,10 @@ class LiveServer:
                   "runner.control_endpoint": self.endpoints["control"], "events.endpoint": self.endpoints["events"],
                   "events.replay_endpoint": self.endpoints["replay"],
                   "runner.http_port": int(self.runner_http.rsplit(":", 1)[1]), **(runner or {})}
-        self.extra = {"runner": runner, **(extra_config or {})}
+        # with a sidecar the ranks attach to its runner: no embedded one
+        self.extra = {**({} if (extra_config or {}).get("sidecar") else {"runner": runner}), **(extra_config or {})}
         self.args = list(args or [])
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -69,7 +71,7 @@ class LiveServer:
 
     def start(self) -> "LiveServer":
         self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT, env=harness_env(),
+        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT, env=harness_env(self.env),
                                      cwd=ROOT, start_new_session=True)
         return self
 

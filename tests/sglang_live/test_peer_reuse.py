@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvcr.client import ControlClient
+from kvcr.proto import messages as m
 from kvcr.proto.events import BlockStored
 from kvcr.proto.hints import build_envelope
 from tests.conftest import wait_until
@@ -62,3 +63,21 @@ def test_a_hinted_engine_pulls_the_peers_pages_and_answers_as_the_peer(trio, tra
     again = live.generate(b, text)
     assert again["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
     assert live.logprobs(again) == live.logprobs(first)
+
+
+def test_a_hint_posted_to_the_engines_runner_makes_it_pull_without_a_request_hint(trio, live):
+    # Our router's path: the hint goes to the target engine's runner, the request carries none.
+    a, bs = trio
+    b = bs["get"]
+    text = prompt_text(150, 400)
+    first = live.generate(a, text)
+    full = first["meta_info"]["prompt_tokens"] // PAGE
+    wait_until(lambda: len(hashes(a)) >= full, timeout_s=30, message="A's pages backed up")
+    mine = [h for h in hashes(a) if h not in set(hashes(b))]
+    with ControlClient(b.endpoints["control"]) as client:
+        assert client.request(m.PostHint(envelope=build_envelope(a.endpoints["control"], mine))).num_hashes == len(mine)
+    pulled = live.generate(b, text)
+    assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
+    assert live.logprobs(pulled) == live.logprobs(first)
+    wait_until(lambda: metric(a.runner_get("/metrics"), "kvcr_claims_held") == 0, timeout_s=10,
+               message="A's claims released")

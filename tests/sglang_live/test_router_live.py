@@ -132,14 +132,16 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
     assert ids2[:len(ids1)] == ids1
 
     # The router indexes A's pages from A's runner's stream (the engine's hashes, matched by content).
-    view = wait_until(lambda: depth(v := debug(front, {"text": turn2}), a.name) == shared and v, timeout_s=30, message="router indexed A's turn-1 pages")
+    view = wait_until(lambda: depth(v := debug(front, {"text": turn2}), a.name) == shared and v, timeout_s=30,
+                      message="router indexed A's turn-1 pages")
     assert view["tokens"] == len(ids2) and view["request_blocks"] == len(ids2) // PAGE
     assert view["choice"]["worker"] == a.name and view["hint"] is None  # A idle: its cache wins
 
     # A is loaded: a long streaming request the router itself books, pinned to A, decoding.
     held_text = turn1 + " " + prompt_text(303, 150)
     held_blocks = len(tok.encode(held_text)) // PAGE
-    held = HeldStream(front.url, generate_body(held_text, 2048, stream=True), a.name)
+    held_body = {"text": held_text, "sampling_params": {"max_new_tokens": 3200, **GREEDY}, "stream": True}
+    held = HeldStream(front.url, held_body, a.name)
     try:
         assert held.worker == a.name
         held.next_event()  # a token arrived: the router moved its booking from prefill to decode
@@ -167,12 +169,6 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
     wait_until(lambda: load(front, a.name) == IDLE, timeout_s=60,
                message="the router released the held request's load when its client left")
 
-    # A cold recomputation of turn 2 (a cache namespace nobody holds a page of) answers as B did.
-    cold = a.post("/generate", generate_body(turn2, cache_salt="cold-recompute"))
-    assert cold["meta_info"]["cached_tokens"] == 0 and cold["prompt_token_ids"] == ids2
-    assert pulled["output_ids"] == cold["output_ids"]
-    assert logprobs(pulled) == logprobs(cold)
-
     wait_until(lambda: metric(a.runner_get("/metrics"), "kvcr_claims_held") == 0, timeout_s=15,
                message="A's claims released")
     assert metric(b.runner_get("/metrics"), "kvcr_pulled_pages_total") == shared
@@ -180,12 +176,19 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
     assert metric(router_metrics, "kvcr_router_hints_total", outcome="posted") >= 1
     assert metric(router_metrics, "kvcr_router_hints_total", outcome="attached") >= 1
     assert metric(router_metrics, "kvcr_router_decisions_total", worker=b.name, route="generate") == 1
+    assert "kvcr_router_upstream_errors_total{" not in router_metrics  # the held client's leaving is no failure
 
     # B backs up what it pulled and computed: the router's index now holds turn 2 on both engines.
-    view = wait_until(lambda: depth(v := debug(front, {"text": turn2}), b.name) == v["request_blocks"] and v, timeout_s=30,
-                      message="router indexed B's turn-2 pages")
+    view = wait_until(lambda: depth(v := debug(front, {"text": turn2}), b.name) == v["request_blocks"] and v,
+                      timeout_s=30, message="router indexed B's turn-2 pages")
     assert depth(view, a.name) == shared
     assert view["choice"]["worker"] == b.name and view["hint"] is None
+
+    # A cold recomputation of turn 2 (a cache namespace nobody holds a page of) answers as B did.
+    cold = a.post("/generate", generate_body(turn2, cache_salt="cold-recompute"))
+    assert cold["meta_info"]["cached_tokens"] == 0 and cold["prompt_token_ids"] == ids2
+    assert pulled["output_ids"] == cold["output_ids"]
+    assert logprobs(pulled) == logprobs(cold)
 
 
 def test_openai_prompts_are_tokenized_as_the_engine_does_and_their_pages_are_found(cluster):
@@ -207,7 +210,8 @@ def test_openai_prompts_are_tokenized_as_the_engine_does_and_their_pages_are_fou
     ids2 = tok.chat_ids(parse_messages(turn2))
     assert ids2[:len(ids1)] == ids1
     # Pages the engine hashed from its own chat ids are found from the router's: the ids agree.
-    view = wait_until(lambda: depth(v := debug(front, chat2, "chat"), a.name) == shared and v, timeout_s=30, message="router indexed A's chat pages")
+    view = wait_until(lambda: depth(v := debug(front, chat2, "chat"), a.name) == shared and v, timeout_s=30,
+                      message="router indexed A's chat pages")
     assert view["tokens"] == len(ids2)
 
     # Pinned to B, the chat still gets the hint: posted to B's runner (chat bodies carry none).
