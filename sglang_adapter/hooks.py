@@ -113,10 +113,11 @@ def _record_backup_namespace(method):
     def wrapper(self, node_id, *args, **kwargs):
         spec = method(self, node_id, *args, **kwargs)
         if spec is not None and spec.hash_value:
-            key = self.node_by_id(node_id).key
-            if key.extra_key is not None or key.cache_salt is not None:
+            # prefetch_anchor_info: the one node query both tree cores (Python and Rust) answer
+            extra_key, cache_salt = self.prefetch_anchor_info(node_id)
+            if extra_key is not None or cache_salt is not None:
                 with _namespaces_lock:
-                    BACKUP_NAMESPACES[spec.hash_value[0]] = (key.extra_key, key.cache_salt)
+                    BACKUP_NAMESPACES[spec.hash_value[0]] = (extra_key, cache_salt)
                     while len(BACKUP_NAMESPACES) > MAX_TRACKED_REQUESTS:
                         BACKUP_NAMESPACES.popitem(last=False)
         return spec
@@ -214,11 +215,13 @@ def install() -> None:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
-    UnifiedTreeCore.build_storage_backup_spec = _record_backup_namespace(UnifiedTreeCore.build_storage_backup_spec)
+    for core in (UnifiedTreeCore, RustUnifiedTreeCore):  # engines run the Rust one by default
+        core.build_storage_backup_spec = _record_backup_namespace(core.build_storage_backup_spec)
     for cls in (HiCacheController, HybridCacheController):
         cls._storage_hit_query = _with_request_hints(cls._storage_hit_query)
     HiCacheController._page_backup = _with_backup_tokens(HiCacheController._page_backup)

@@ -1,6 +1,9 @@
 """The reference router in front of real `kvcr worker` processes (torch model, runner, UCX pulls)."""
 
+import asyncio
 import json
+import socket
+import time
 
 import pytest
 
@@ -192,6 +195,7 @@ class BrokenEngine:
 
         outer = self
         self.bodies: list[dict] = []
+        self.closed = threading.Event()  # "endless": the router closed the stream
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -203,6 +207,19 @@ class BrokenEngine:
                     self.send_header("Content-Length", "4")
                     self.end_headers()
                     self.wfile.write(b"busy")
+                elif mode == "endless":  # streams until the router closes the connection
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    event = b'data: {"text": "x"}\n\n'
+                    try:
+                        while True:
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                            self.wfile.flush()
+                            time.sleep(0.01)
+                    except OSError:
+                        outer.closed.set()
                 else:  # "cut": a promised body of 1000 bytes stops after 19: the connection drops
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -245,3 +262,78 @@ def test_a_failing_engine_is_passed_through_or_cut_never_answered_twice(runner_f
     finally:
         front.stop()
         engine.close()
+
+
+def test_a_client_that_leaves_mid_stream_is_no_worker_failure_and_the_worker_is_let_go(runner_factory, tmp_path):
+    """Seen live in front of SGLang: a client closing a stream made the router log a server error
+    (and aiohttp's ClientConnectionResetError counted as the worker's failure)."""
+    info = runner_factory("stubbed", **{"runner.block_size": 16}).start()
+    engine = BrokenEngine("endless")
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"port": 0}, "workers": [
+        {"name": "s", "url": engine.url, "runner": info["endpoints"]["http"], "engine": "sglang"}]}))
+    from tests.cluster import Child
+
+    front = Child(tmp_path, "router-left", ["router", "--config", str(cfg)]).start()
+    try:
+        front.wait_ready()
+        host, port = front.url.removeprefix("http://").split(":")
+        body = json.dumps({"text": "hello there", "stream": True}).encode()
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: b"data: " in client.recv(65536), 10, 0.01, "the stream started")
+        assert engine.closed.wait(10), "the router kept the worker's stream open after its client left"
+        wait_until(lambda: json.loads(http(front.url + "/workers")[2])[0]["load"]["active_requests"] == 0, 10,
+                   0.05, "the request's load released")
+        metrics = http(front.url + "/metrics")[2].decode()
+        assert "kvcr_router_upstream_errors_total{" not in metrics
+        assert "Error handling request" not in front.log_path.read_text()
+    finally:
+        front.stop()
+        engine.close()
+
+
+def test_a_salted_request_is_matched_in_its_own_cache_namespace(tmp_path):
+    """SGLang announces a salted request's pages with its `cache_salt`; the router must hash the
+    request under the body's `cache_salt` to find them (and not match another namespace's)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvcr.proto.announce import announce_request
+    from kvcr.proto.events import EventBatch
+    from kvcr.proto.pool import coalesce_announces
+    from router_hints.discovery import Publisher
+    from router_hints.http.server import Router
+
+    cfg = parse_router_config({"workers": [{"name": n, "url": f"http://127.0.0.1:{i + 1}"}
+                                           for i, n in enumerate(("w0", "w1"))]})
+    router = Router(cfg)
+    for entry in cfg.workers:  # publishers nobody serves: the index is fed below
+        router.core.add(Publisher(entry.name, 0, 16, "tcp://127.0.0.1:9", None, f"tcp://{entry.name}.invalid:1"))
+        router.entries[(entry.name, 0)] = entry
+    text = PROMPT * 2
+    tokens = router.tokenizer.encode(text)
+    (event,) = coalesce_announces(announce_request(tokens, 16, cache_salt="tenant-a"), 16, "CPU_PINNED")
+    router.core.index.apply("w1", EventBatch(ts=0.0, events=(event,), dp_rank=0))
+
+    async def views() -> list:
+        async with TestClient(TestServer(router.app())) as client:
+            out = []
+            for extra in ({"cache_salt": "tenant-a"}, {}, {"cache_salt": ""}, {"cache_salt": "tenant-b"},
+                          {"cache_salt": ["tenant-a"]}):
+                resp = await client.post("/debug/index", json={"text": text, **extra})
+                out.append((resp.status, await resp.json()))
+            resp = await client.post("/generate", json={"text": text, "cache_salt": 7})
+            out.append((resp.status, await resp.json()))
+            return out
+
+    try:
+        (s1, salted), *unsalted, (s5, listed), (s6, generated) = asyncio.run(views())
+    finally:
+        asyncio.run(router.close())
+    assert s1 == 200 and salted["workers"][1]["overlap"]["host"] == salted["request_blocks"] == len(tokens) // 16
+    assert salted["choice"]["worker"] == "w1"
+    for status, view in unsalted:  # no salt, "" (none, as in SGLang), another salt: nothing held
+        assert status == 200 and all(sum(row["overlap"].values()) == 0 for row in view["workers"])
+    assert s5 == 400 and "cache_salt must be a string" in listed["error"]["message"]
+    assert s6 == 400 and "cache_salt must be a string" in generated["error"]["message"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..index import Worker
 from ..scoring import Load
+from ..text import RequestError
 
 CLIENT_HINT_KEYS = ("kv_hint", "kv_hints", "router_hint")
 
@@ -30,6 +31,19 @@ def strip_client_hints(body: dict) -> tuple[dict, int]:
         removed += len(nested) - len(kept)
         out["sampling_params"] = {**sampling, "extra_args": {**extra, "kv_transfer_params": kept}}
     return out, removed
+
+
+def cache_salt(body: dict) -> str | None:
+    """The request's cache namespace: SGLang's `cache_salt` (on /generate and the OpenAI routes).
+
+    The engine hashes, stores and announces a salted request's pages under it (the index keys them
+    by the announced salt), so the request's blocks are hashed under it too; "" is none, as in SGLang."""
+    salt = body.get("cache_salt")
+    if salt is None or salt == "":
+        return None
+    if not isinstance(salt, str):  # SGLang refuses a list for one request as well
+        raise RequestError("cache_salt must be a string")
+    return salt
 
 
 def attach_hint(body: dict, envelope: dict) -> dict:

@@ -126,7 +126,7 @@ class Router:
 
     # --- routing ---------------------------------------------------------------------------------
 
-    def decide(self, tokens: list[int], pinned: str | None = None) -> Route:
+    def decide(self, tokens: list[int], pinned: str | None = None, cache_salt: str | None = None) -> Route:
         start = time.perf_counter()
         self.core.poll(0)  # whatever arrived since the last tick
         worker = None
@@ -134,7 +134,7 @@ class Router:
             worker = next((w for w, e in self.entries.items() if e.name == pinned), None)
             if worker is None:
                 raise RequestError(f"X-KVCR-Target names no worker: {pinned!r}")
-        decision = self.core.route(tokens, pinned=worker)
+        decision = self.core.route(tokens, pinned=worker, cache_salt=cache_salt)
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return decision
 
@@ -154,8 +154,8 @@ class Router:
             self.metrics.hints.labels("post_failed").inc()
             log.warning("posting a hint to %s failed: %s", control, exc)
 
-    def debug_view(self, tokens: list[int]) -> dict:
-        decision = self.decide(tokens)
+    def debug_view(self, tokens: list[int], cache_salt: str | None = None) -> dict:
+        decision = self.decide(tokens, cache_salt=cache_salt)
         rows = []
         for w in sorted(self.core.publishers):
             o = decision.overlaps.get(w)
@@ -192,7 +192,7 @@ class Router:
             try:
                 body, removed = front.strip_client_hints(await self._body(request))
                 tokens = request_tokens(body, route, self.tokenizer)
-                decision = self.decide(tokens, request.headers.get("X-KVCR-Target"))
+                decision = self.decide(tokens, request.headers.get("X-KVCR-Target"), front.cache_salt(body))
             except RequestError as exc:
                 return web.json_response({"error": {"message": str(exc)}}, status=400)
             self.metrics.stripped.inc(removed)
@@ -239,12 +239,20 @@ class Router:
                                          headers=headers) as up:
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
-                await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    if not booking.prefilled:
-                        front.prefill_done(self.core.loads, booking)
-                    await resp.write(chunk)
-                await resp.write_eof()
+                try:
+                    await resp.prepare(request)
+                    async for chunk in up.content.iter_any():
+                        if not booking.prefilled:
+                            front.prefill_done(self.core.loads, booking)
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                except ConnectionError as exc:
+                    # Writing to a client that left raises ConnectionError (or aiohttp's
+                    # ClientConnectionResetError, also a ClientError): not the worker's failure.
+                    if request.transport is not None and not request.transport.is_closing():
+                        raise
+                    # Leaving `async with` closes the upstream connection: the worker aborts the request.
+                    log.info("the client of a %s request on %s left mid-answer: %r", route, entry.name, exc)
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.upstream_errors.labels(entry.name).inc()
@@ -264,10 +272,12 @@ class Router:
         if route not in PATHS:
             return web.json_response({"error": {"message": f"route must be one of {sorted(PATHS)}"}}, status=400)
         try:
-            tokens = request_tokens(await self._body(request), route, self.tokenizer)
+            body = await self._body(request)
+            tokens = request_tokens(body, route, self.tokenizer)
+            salt = front.cache_salt(body)
         except RequestError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        return web.json_response(self.debug_view(tokens))
+        return web.json_response(self.debug_view(tokens, salt))
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

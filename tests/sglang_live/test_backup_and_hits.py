@@ -38,13 +38,20 @@ class EngineEvents:
         return stored_hashes(self.events)
 
 
-@pytest.fixture(scope="module", params=["layer_first", "page_first"])
-def engine(request, engines):
+# A DRAM tier of 64 pages that spills above half full: most of a 37-page prompt goes to NVMe.
+NVME = {"dram.size": "256Ki", "dram.high_watermark": 0.5, "dram.low_watermark": 0.2}
+
+
+@pytest.fixture(scope="module", params=["layer_first", "page_first", "page_first+nvme"])
+def engine(request, engines, tmp_path_factory):
+    layout, _, tier = request.param.partition("+")
+    runner = {**NVME, "nvme.storage_dir": str(tmp_path_factory.mktemp("nvme"))} if tier else {}
     port = free_port()
     kv_events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "bind": True, "topic": ""}
-    (server,) = engines(f"backup-{request.param}", args=[
-        "--hicache-mem-layout", request.param, "--hicache-storage-prefetch-policy", "wait_complete",
+    (server,) = engines(f"backup-{layout}{'-' + tier if tier else ''}", runner=runner, args=[
+        "--hicache-mem-layout", layout, "--hicache-storage-prefetch-policy", "wait_complete",
         "--kv-events-config", json.dumps(kv_events)])
+    server.nvme = bool(tier)
     server.engine_events = EngineEvents(kv_events["endpoint"])
     return server
 
@@ -65,6 +72,9 @@ def test_backed_up_pages_are_announced_with_the_engines_hashes_and_hit_after_a_f
                                message="SGLang's own stored events")
     assert len(announced) == full
     assert announced <= engine_hashes, "kvcr announced hashes the engine itself never published"
+    if engine.nvme:  # pushed down: served from NVMe (promoted on read) after the flush
+        wait_until(lambda: metric(engine.runner_get("/metrics"), "kvcr_spilled_pages_total") > 0, timeout_s=30,
+                   message="pages spilled to NVMe")
     live.flush(engine)
     again = live.generate(engine, text)
     meta = again["meta_info"]
@@ -74,3 +84,26 @@ def test_backed_up_pages_are_announced_with_the_engines_hashes_and_hit_after_a_f
     assert again["output_ids"] == first["output_ids"]
     assert live.logprobs(again) == live.logprobs(first)
     assert metric(engine.runner_get("/metrics"), "kvcr_hits_total") >= full
+    if engine.nvme:
+        assert metric(engine.runner_get("/metrics"), "kvcr_promoted_pages_total") > 0
+
+
+def salted(server, salt: str) -> set[int]:
+    with ControlClient(server.endpoints["control"]) as client:
+        return {h for e in client.snapshot()[1] if isinstance(e, BlockStored) and e.cache_salt == salt
+                for h in e.block_hashes}
+
+
+def test_salted_pages_are_announced_under_their_salt_and_never_hit_for_another(engine, live):
+    text = prompt_text(12, 300)
+    first = live.generate(engine, text, cache_salt="tenant-a")
+    full = first["meta_info"]["prompt_tokens"] // PAGE
+    wait_until(lambda: len(salted(engine, "tenant-a")) >= full, timeout_s=30,
+               message="the salted pages announced with their salt")
+    live.flush(engine)
+    other = live.generate(engine, text, cache_salt="tenant-b")
+    assert other["meta_info"]["cached_tokens"] == 0
+    unsalted = live.generate(engine, text)
+    assert unsalted["meta_info"]["cached_tokens"] == 0
+    same = live.generate(engine, text, cache_salt="tenant-a")
+    assert same["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
