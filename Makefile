@@ -67,6 +67,7 @@ bench: sglang-setup dynamo-setup
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/router_index.py
 	$(VENV)/bin/python bench/router_overhead.py
 	$(VENV)/bin/python bench/sglang_adapter.py
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live.py
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info

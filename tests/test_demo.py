@@ -1,4 +1,5 @@
-"""`kvcr demo` end to end (the CI-sized variant), and its shutdown on Ctrl-C."""
+"""`kvcr demo` end to end (the CI-sized variant), and its shutdown on Ctrl-C; the same on live
+SGLang engines (`--engine sglang`, marked live_sglang)."""
 
 import json
 import os
@@ -14,13 +15,26 @@ import pytest
 from tests.conftest import wait_until
 
 SMALL = ["--workers", "2", "--conversations", "4", "--turns", "3", "--layers", "2", "--hidden", "64", "--no-live"]
+# `--engine sglang` in its CI size: 2 engines (and the reference), 12 requests
+SGLANG_SMALL = ["--engine", "sglang", "--workers", "2", "--conversations", "4", "--turns", "3", "--no-live"]
 
 
-def start_demo(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _have_sglang() -> bool:
+    try:
+        from importlib.metadata import version
+        return version("sglang") == "0.5.23"
+    except Exception:  # noqa: BLE001 - not installed
+        return False
+
+
+needs_sglang = pytest.mark.skipif(not _have_sglang(), reason="sglang 0.5.23 is not installed (make sglang-setup)")
+
+
+def start_demo(run_dir: Path, *extra: str, size: list[str] = SMALL) -> tuple[subprocess.Popen, Path]:
     log = run_dir.parent / f"{run_dir.name}.stderr"
     # Ctrl-C as in a terminal, even when the test run itself was started in the background
     # (a shell's `cmd &` ignores SIGINT, and a child inherits that).
-    proc = subprocess.Popen([sys.executable, "-m", "kvcr.cli", "demo", "--run-dir", str(run_dir), *SMALL, *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "kvcr.cli", "demo", "--run-dir", str(run_dir), *size, *extra],
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, log
@@ -29,9 +43,11 @@ def start_demo(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
 def leftovers(run_dir: Path, log: Path) -> list[str]:
     """Processes started for this run, its temporary directory, and shared-memory regions of its children."""
     found = []
-    ps = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
-    found += [f"process {pid}" for pid in ps]
     tmp = re.search(r"NVMe in (\S+),", log.read_text())
+    # SGLang engines name only the temporary directory (their model, state and NVMe) on their command line
+    for pattern in (str(run_dir), *([tmp.group(1)] if tmp else [])):
+        ps = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        found += [f"process {pid}" for pid in ps]
     if tmp and Path(tmp.group(1)).exists():
         found.append(f"temporary directory {tmp.group(1)}")
     for info in (run_dir / "logs").glob("w*.info.json"):
@@ -67,4 +83,58 @@ def test_ctrl_c_stops_everything_within_ten_seconds(tmp_path, moment):
     rc = proc.wait(10)
     assert time.monotonic() - start < 10
     assert rc == (0 if moment == "holding" else 130), log.read_text()
+    assert leftovers(run_dir, log) == []
+
+
+@pytest.mark.parametrize("found", [None, "0.5.22"])
+def test_the_sglang_variant_without_sglang_0_5_23_names_make_sglang_setup(tmp_path, monkeypatch, capsys, found):
+    from kvcr import cli
+    from kvcr.demo import sglang_engines
+
+    monkeypatch.setattr(sglang_engines, "installed_sglang", lambda: found)
+    assert cli.main(["demo", "--engine", "sglang", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "make sglang-setup" in err and "0.5.23" in err and (found or "not installed") in err
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+@pytest.mark.live_sglang
+@needs_sglang
+@pytest.mark.timeout(600)
+def test_the_small_sglang_demo_pulls_from_peers_and_every_cached_answer_matches_a_cold_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, log = start_demo(run_dir, size=SGLANG_SMALL)
+    assert proc.wait(540) == 0, log.read_text()[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["engine"] == "sglang" and summary["ok"], summary["problems"]
+    assert not summary["errors"] and summary["problems"] == []
+    oracle = summary["oracle"]
+    assert oracle["checks"] > 0 and oracle["mismatches"] == 0
+    assert oracle["output_ids_equal"] == oracle["checks"] and oracle["max_abs_logprob"] <= oracle["tolerance"]
+    assert oracle["control"]["detected"], "the oracle could not tell a changed prompt token apart"
+    assert oracle["prompt_ids_checked"] == summary["requests"] and oracle["prompt_ids_mismatches"] == 0
+    # pages pulled from a peer: per answer (SGLang's storage hits, split by the runner's counters) and by the runners
+    assert summary["peer_hits"] > 0 and summary["phases"]["share"]["peer"] > 0
+    assert summary["phases"]["migrate"]["peer"] > 0
+    assert sum(w["runner_pulled_pages"] for w in summary["workers"].values()) >= summary["peer_hits"]
+    assert summary["page_sources"]["device"] > 0  # follow-ups stay where their prefix is
+    assert all(o["source"] for o in summary["outcomes"] if o["peer_pages"])
+    assert (run_dir / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "demo OK" in log.read_text()
+    assert leftovers(run_dir, log) == []
+
+
+@pytest.mark.live_sglang
+@needs_sglang
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_the_sglang_demo_within_ten_seconds(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, log = start_demo(run_dir, "--hold", size=SGLANG_SMALL)
+    wait_until(lambda: "[3/4] workload" in log.read_text() or proc.poll() is not None, 480, 0.05, "the workload")
+    assert proc.poll() is None, log.read_text()[-6000:]
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(10)
+    assert time.monotonic() - start < 10
+    assert rc == 130, log.read_text()[-6000:]
     assert leftovers(run_dir, log) == []

@@ -23,22 +23,31 @@ from .procs import Child, stop_all
 
 
 ENGINES = ("worker", "sglang")
-# per-engine defaults of the options left unset (None)
-DEFAULTS = {"worker": {"workers": 3, "dram": "8Mi"}, "sglang": {"workers": 2, "dram": "1Mi"}}
+# --engine sglang's own defaults for the options not given (argparse holds the worker's)
+SGLANG_DEFAULTS = {"workers": 2, "dram": "1Mi"}
+
+
+class _Given(argparse.Action):
+    """Store the value and note that it was given, so per-engine defaults apply only to the others."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "_given", getattr(namespace, "_given", frozenset()) | {self.dest})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="worker", choices=ENGINES,
                    help="worker: `kvcr worker` processes (torch model); sglang: live SGLang 0.5.23 engines with "
                         "kvcr's backend, plus a reference engine for the oracle (needs `make sglang-setup`)")
-    p.add_argument("--workers", type=int, default=None, help="engines behind the router (default 3; sglang: 2)")
+    p.add_argument("--workers", type=int, default=3, action=_Given,
+                   help="engines behind the router (default 3; sglang: 2)")
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (at least 2)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--transport", default="get", choices=("get", "tag", "shm", "auto"),
                    help="peer pulls: UCX RMA get, UCX tagged send, or a same-host shared-memory copy")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
-    p.add_argument("--dram", default=None,
+    p.add_argument("--dram", default="8Mi", action=_Given,
                    help="kvcr DRAM pool per worker (small, so NVMe is used too; default 8Mi, sglang: 1Mi)")
     p.add_argument("--layers", type=int, default=6, help="worker engine's model (sglang: a fixed tiny Llama)")
     p.add_argument("--hidden", type=int, default=256, help="worker engine's model (sglang: a fixed tiny Llama)")
@@ -149,6 +158,7 @@ class OutcomeFeed:
         self.offset = 0
         self.phase = "starting"
         self.outcomes: list[Outcome] = []
+        self.control: dict | None = None  # SGLang: the oracle's negative control (sglang_driver.py)
         self.done = False
 
     def read(self) -> None:
@@ -163,6 +173,8 @@ class OutcomeFeed:
                     self.phase = item["phase"]
                 elif "outcome" in item:
                     self.outcomes.append(Outcome(**item["outcome"]))
+                elif "control" in item:
+                    self.control = item["control"]
                 else:
                     self.done = self.done or bool(item.get("done"))
 
@@ -213,6 +225,10 @@ def _verdict(summary: dict) -> list[str]:
             "a local recomputation"
         problems.append(f"ORACLE MISMATCH: {summary['oracle']['mismatches']} answers served from cached KV differ "
                         f"from {what}")
+    control = summary["oracle"].get("control")
+    if summary["engine"] == "sglang" and summary["oracle"]["checks"] and not (control and control["detected"]):
+        problems.append(f"the oracle's control (one prompt token changed) was not detected: {control}; the "
+                        "oracle cannot tell right KV from wrong")
     if summary["oracle"].get("prompt_ids_mismatches"):
         problems.append(f"{summary['oracle']['prompt_ids_mismatches']} prompts: the token ids the router hashed "
                         "differ from the engine's")
@@ -230,6 +246,8 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
     options = {k: v for k, v in vars(a).items() if k != "func"}
     summary = summarize(outcomes, demo.snapshot(), page_size=a.page_size, elapsed_s=elapsed, options=options,
                         engine=demo.engine)
+    if demo.feed is not None and demo.feed.control is not None:
+        summary["oracle"]["control"] = demo.feed.control
     problems = _verdict(summary)
     summary["ok"] = not problems
     summary["problems"] = problems
@@ -239,9 +257,12 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
     console.print(summary_table(summary))
     o = summary["oracle"]
     if demo.engine == "sglang":
+        c = o.get("control") or {}
         _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
-             f"{o['output_ids_equal']} with the cold reference's output token ids, {o['logprobs_equal']} with its "
-             f"logprobs (top-{o['top_logprobs']} too), bitwise; max |Δ logprob| {o['max_abs_logprob']:.2e}")
+             f"{o['output_ids_equal']} with the cold reference's output token ids, {o['bitwise_equal']} with its "
+             f"logprobs (and top-{o['top_logprobs']}) bitwise, max |Δ logprob| {o['max_abs_logprob']:.2e} (limit "
+             f"{o['tolerance']:.0e}); control, one prompt token changed: |Δ| {c.get('max_abs_logprob', 0):.2e}, "
+             f"output ids {'changed' if c.get('output_ids_changed') else 'unchanged'}")
     else:
         _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
              f"{o['chunked_bitwise_equal']} bitwise equal to a local run, max |Δ| vs one-shot prefill "
@@ -261,9 +282,13 @@ def _hold(demo: Demo) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    for key, value in DEFAULTS[args.engine].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    given = getattr(args, "_given", frozenset())
+    if hasattr(args, "_given"):
+        del args._given  # not an option (the summary lists them)
+    if args.engine == "sglang":
+        for key, value in SGLANG_DEFAULTS.items():
+            if key not in given:
+                setattr(args, key, value)
 
 
 def run(args: argparse.Namespace) -> int:

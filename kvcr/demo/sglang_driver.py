@@ -29,6 +29,7 @@ from .httpc import http
 from .workload import Conversation, Step, pick_pin
 
 TOP_LOGPROBS = 5
+ORACLE_TOLERANCE = 1e-2  # |Δ logprob|; docs/demo.md has what noise and what a wrong token measure
 BACKUP_WAIT_S = 10.0
 COUNTERS = {"pulled": "kvcr_pulled_pages_total", "promoted": "kvcr_promoted_pages_total",
             "hits": "kvcr_hits_total"}
@@ -55,20 +56,24 @@ def _logprobs(meta: dict) -> list[tuple[float, int]]:
     return [(lp, tok) for lp, tok, *_ in meta.get("output_token_logprobs") or []]
 
 
-def _top(meta: dict) -> list[list[tuple[float, int]]]:
-    return [[(lp, tok) for lp, tok, *_ in pos or []] for pos in meta.get("output_top_logprobs") or []]
+def _top(meta: dict) -> list[list[float]]:
+    """Per output position, the top logprobs by rank (values only: near-ties may swap ids)."""
+    return [[lp for lp, *_ in pos or []] for pos in meta.get("output_top_logprobs") or []]
 
 
 def compare(meta: dict, output_ids: list[int], ref: dict) -> dict:
-    """The oracle's verdict on one answer against the reference's /generate response."""
+    """The oracle's verdict on one answer against the reference's /generate response: the same
+    output token ids, and every logprob (chosen and top by rank) within ORACLE_TOLERANCE."""
     mine, theirs = _logprobs(meta), _logprobs(ref["meta_info"])
     top_mine, top_theirs = _top(meta), _top(ref["meta_info"])
-    ids_equal = output_ids == ref["output_ids"]
-    logprobs_equal = len(mine) == len(output_ids) and mine == theirs and top_mine == top_theirs
+    ids_equal = output_ids == ref["output_ids"] and len(mine) == len(theirs) == len(output_ids)
     deltas = [abs(a[0] - b[0]) for a, b in zip(mine, theirs)]
-    deltas += [abs(a[0] - b[0]) for pa, pb in zip(top_mine, top_theirs) for a, b in zip(pa, pb) if a[1] == b[1]]
-    return {"ok": ids_equal and logprobs_equal, "output_ids_equal": ids_equal, "logprobs_equal": logprobs_equal,
-            "top_logprobs": TOP_LOGPROBS, "max_abs_logprob": max(deltas, default=0.0),
+    deltas += [abs(a - b) for pa, pb in zip(top_mine, top_theirs) for a, b in zip(pa, pb)]
+    shape_equal = len(top_mine) == len(top_theirs) and all(len(a) == len(b) for a, b in zip(top_mine, top_theirs))
+    max_abs = max(deltas, default=0.0)
+    return {"ok": ids_equal and shape_equal and max_abs <= ORACLE_TOLERANCE, "output_ids_equal": ids_equal,
+            "bitwise_equal": ids_equal and mine == theirs and top_mine == top_theirs,
+            "top_logprobs": TOP_LOGPROBS, "max_abs_logprob": max_abs,
             "cached_tokens": meta.get("cached_tokens", 0), "output_tokens": len(output_ids)}
 
 
@@ -85,6 +90,7 @@ class SGLangDriver(Driver):
         self.runners = runners
         self.page_size = page_size
         self.tokenizer = TextTokenizer(tokenizer)
+        self.controlled = False
 
     @classmethod
     def from_args(cls, args, workers: list[str], conversations: list[Conversation],
@@ -156,8 +162,7 @@ class SGLangDriver(Driver):
                        peer, max(0, depth - cached), source, 0.0, saved, latency, oracle, None, device, host,
                        router_ids == prompt_ids)
 
-    def _check(self, prompt_ids: list[int], output_ids: list[int], meta: dict) -> tuple[dict, float]:
-        """The same prompt ids, cold, on the reference engine; returns the verdict and its latency."""
+    def _cold(self, prompt_ids: list[int]) -> dict:
         body = {"input_ids": prompt_ids, "return_logprob": True, "top_logprobs_num": TOP_LOGPROBS,
                 "sampling_params": {"max_new_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True}}
         status, _, raw = http(self.reference + "/generate", body)
@@ -166,7 +171,28 @@ class SGLangDriver(Driver):
         ref = json.loads(raw)
         if ref["meta_info"].get("cached_tokens"):
             raise ValueError(f"the reference engine reused {ref['meta_info']['cached_tokens']} cached tokens")
+        return ref
+
+    def _check(self, prompt_ids: list[int], output_ids: list[int], meta: dict) -> tuple[dict, float]:
+        """The same prompt ids, cold, on the reference engine; returns the verdict and its latency."""
+        ref = self._cold(prompt_ids)
+        if not self.controlled:
+            self._control(prompt_ids, ref)
         return compare(meta, output_ids, ref), ref["meta_info"].get("e2e_latency", 0.0)
+
+    def _control(self, prompt_ids: list[int], ref: dict) -> None:
+        """Once: the oracle's teeth. The prompt with one early token changed (as a wrong byte in the
+        first cached page would), cold: the verdict against the true answer must be a mismatch."""
+        self.controlled = True
+        changed = list(prompt_ids)
+        first = 2  # ids 0 and 1 are BOS and EOS
+        changed[1] = first + (changed[1] - first + 1) % (self.tokenizer.vocab_size - first)
+        other = self._cold(changed)
+        verdict = compare(other["meta_info"], other["output_ids"], ref)
+        with self.lock:
+            self.record("control", {"changed_position": 1, "detected": not verdict["ok"],
+                                    "output_ids_changed": not verdict["output_ids_equal"],
+                                    "max_abs_logprob": verdict["max_abs_logprob"], "tolerance": ORACLE_TOLERANCE})
 
     def _depth(self, worker: str, ids: list[int]) -> int:
         """Pages of `ids` the router's index holds for `worker` (any tier)."""

@@ -38,16 +38,26 @@ def build_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def build_model(directory: Path, *, seed: int = 0) -> Path:
-    """Write the model and tokenizer into `directory` (created); returns it."""
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}
+# KV bytes per token of Llama-3-8B (32 layers x 8 KV heads x 128 dims x K,V x bf16 = 128 KiB), with
+# a narrow residual stream so a CPU prefills it: for benchmarks, where transfer sizes must be real.
+KV_LIKE_8B = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 32, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "head_dim": 128}
+
+
+def build_model(directory: Path, *, seed: int = 0, shape: dict | None = None, max_tokens: int = 4096,
+                init_std: float = 0.02) -> Path:
+    """Write the model and tokenizer into `directory` (created); returns it. A larger `init_std`
+    makes outputs sensitive to every prompt token (the demo's oracle needs that)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16")
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max_tokens, bos_token_id=0, eos_token_id=1,
+                         tie_word_embeddings=False, torch_dtype="bfloat16", initializer_range=init_std,
+                         **(shape or TINY))
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
     return directory

@@ -28,10 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# KVCR_LIVE_GPU=1 (bench/gpu_smoke.sh): the same engines on a GPU, stock SGLang, nothing patched.
+ON_GPU = os.environ.get("KVCR_LIVE_GPU") == "1"
+GPU_FLAGS = ["--max-total-tokens", "4096", "--page-size", "16", "--mem-fraction-static", "0.3"]
+
+
 def harness_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    if not ON_GPU:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    site = () if ON_GPU else (str(SITE),)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*site, str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV / "torch-extensions"))  # SGLang's page hash, built once
     env.update(extra or {})
     return env
@@ -41,7 +48,8 @@ class LiveServer:
     """One engine with `--hicache-storage-backend kvcr` and its in-process runner."""
 
     def __init__(self, run_dir: Path, name: str, model: Path, *, runner: dict | None = None,
-                 extra_config: dict | None = None, args: list[str] | None = None, env: dict | None = None) -> None:
+                 extra_config: dict | None = None, args: list[str] | None = None, env: dict | None = None,
+                 backend: str = "kvcr") -> None:
         self.name, self.run_dir, self.model = name, run_dir, model
         self.port = free_port()
         self.log_path = run_dir / f"{name}.log"
@@ -57,6 +65,7 @@ class LiveServer:
         self.extra = {**({} if (extra_config or {}).get("sidecar") else {"runner": runner}), **(extra_config or {})}
         self.args = list(args or [])
         self.env = dict(env or {})
+        self.backend = backend  # "kvcr", or an SGLang backend to compare with ("file")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -65,9 +74,10 @@ class LiveServer:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "sglang_adapter.launch_server", "--model-path", str(self.model),
-                "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
-                "--hicache-storage-backend", "kvcr", "--hicache-storage-backend-extra-config",
-                json.dumps(self.extra), *self.args]
+                "--host", "127.0.0.1", "--port", str(self.port), *(GPU_FLAGS if ON_GPU else CPU_FLAGS),
+                "--hicache-storage-backend", self.backend,
+                *(["--hicache-storage-backend-extra-config", json.dumps(self.extra)] if self.backend == "kvcr"
+                  else ["--enable-hierarchical-cache"]), *self.args]
 
     def start(self) -> "LiveServer":
         self.log = open(self.log_path, "a")
@@ -103,6 +113,29 @@ class LiveServer:
             raw = r.read()
         return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
 
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """POST /flush_cache until the engine flushes (it answers 400 while requests still run)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.post("/flush_cache", {})
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+    def stored(self, timeout_s: float = 30.0) -> list:
+        """The BlockStored events of its runner's inventory (a snapshot), chain order."""
+        from kvcr.client import ControlClient
+        from kvcr.proto.events import BlockStored
+
+        with ControlClient(self.endpoints["control"], timeout_s=timeout_s) as client:
+            return [e for e in client.snapshot()[1] if isinstance(e, BlockStored)]
+
+    def stored_hashes(self) -> list[int]:
+        return [h for e in self.stored() for h in e.block_hashes]
+
     def runner_get(self, path: str, timeout_s: float = 10.0):
         """GET from the engine's in-process runner (its /info, /metrics)."""
         with urllib.request.urlopen(self.runner_http + path, timeout=timeout_s) as r:
@@ -110,10 +143,15 @@ class LiveServer:
         return json.loads(body) if path != "/metrics" else body.decode()
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM: to the launcher, which drains and stops its children as an operator's would;
+        SIGKILL: to every process of the engine at once (a crash)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
+            if sig == signal.SIGKILL:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

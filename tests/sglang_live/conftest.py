@@ -3,9 +3,6 @@ module (each ~15 s to start and ~2 GB; at most three at once on this machine).""
 
 from __future__ import annotations
 
-import os
-import time
-import urllib.error
 from pathlib import Path
 
 import pytest
@@ -65,25 +62,31 @@ def logprobs(response: dict) -> list[tuple[float, int]]:
 
 
 def flush(server: LiveServer, timeout_s: float = 30.0) -> None:
-    """POST /flush_cache until the engine flushes (400 while requests still run)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            server.post("/flush_cache", {})
-            return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 400 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.2)
+    server.flush(timeout_s)
+
+
+def serve(server: LiveServer, text: str, timeout_s: float = 30.0, **extra) -> dict:
+    """generate, then wait until the engine backed this prompt's full pages up into its runner
+    (pages it did not hold before: a runner shared by earlier tests already holds others)."""
+    from tests.conftest import wait_until
+
+    before = set(server.stored_hashes())
+    answer = generate(server, text, **extra)
+    full = answer["meta_info"]["prompt_tokens"] // 16
+    if answer["meta_info"]["cached_tokens"] >= full * 16:
+        return answer  # served from cache: backed up when it was first computed
+    wait_until(lambda: len(set(server.stored_hashes()) - before) >= full, timeout_s=timeout_s,
+               message=f"{server.name} backed the prompt's {full} pages up")
+    return answer
 
 
 @pytest.fixture
 def live():
-    """The helpers live tests share (generate, logprobs, flush)."""
+    """The helpers live tests share (generate, serve, logprobs, flush)."""
     class Live:
         pass
     h = Live()
-    h.generate, h.logprobs, h.flush = generate, logprobs, flush
+    h.generate, h.serve, h.logprobs, h.flush = generate, serve, logprobs, flush
     return h
 
 

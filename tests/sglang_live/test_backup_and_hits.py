@@ -8,7 +8,6 @@ import json
 import pytest
 import zmq
 
-from kvcr.client import ControlClient
 from kvcr.proto.events import BlockStored, decode_frames
 from tests.conftest import wait_until
 from tests.sglang_live.conftest import metric
@@ -56,17 +55,12 @@ def engine(request, engines, tmp_path_factory):
     return server
 
 
-def runner_snapshot(server) -> set[int]:
-    with ControlClient(server.endpoints["control"]) as client:
-        return stored_hashes(client.snapshot()[1])
-
-
 def test_backed_up_pages_are_announced_with_the_engines_hashes_and_hit_after_a_flush(engine, live):
     text = prompt_text(11, 600)
     first = live.generate(engine, text)
     prompt = first["meta_info"]["prompt_tokens"]
     full = prompt // PAGE
-    announced = wait_until(lambda: runner_snapshot(engine) if len(runner_snapshot(engine)) >= full else None,
+    announced = wait_until(lambda: set(engine.stored_hashes()) if len(set(engine.stored_hashes())) >= full else None,
                            timeout_s=30, message="the prompt's pages backed up into kvcr")
     engine_hashes = wait_until(lambda: engine.engine_events.drain() or None, timeout_s=10,
                                message="SGLang's own stored events")
@@ -89,9 +83,7 @@ def test_backed_up_pages_are_announced_with_the_engines_hashes_and_hit_after_a_f
 
 
 def salted(server, salt: str) -> set[int]:
-    with ControlClient(server.endpoints["control"]) as client:
-        return {h for e in client.snapshot()[1] if isinstance(e, BlockStored) and e.cache_salt == salt
-                for h in e.block_hashes}
+    return {h for e in server.stored() if e.cache_salt == salt for h in e.block_hashes}
 
 
 def test_salted_pages_are_announced_under_their_salt_and_never_hit_for_another(engine, live):

@@ -13,8 +13,6 @@ import time
 import psutil
 import pytest
 
-from kvcr.client import ControlClient
-from kvcr.proto.events import BlockStored
 from kvcr.proto.hints import build_envelope
 from sglang_adapter.cpu_harness.model import prompt_text
 from sglang_adapter.cpu_harness.server import free_port
@@ -28,25 +26,10 @@ WAIT = ["--hicache-storage-prefetch-policy", "wait_complete"]
 PULLER = {"runner.control_timeout_s": 1.0, "runner.unreachable_backoff_s": 5.0}
 
 
-def hashes(server) -> list[int]:
-    with ControlClient(server.endpoints["control"]) as client:
-        return [h for e in client.snapshot()[1] if isinstance(e, BlockStored) for h in e.block_hashes]
-
-
 def served(server, live, seed: int, words: int = 300) -> tuple[str, dict]:
     """A prompt the engine served and backed up whole; returns it and the answer."""
     text = prompt_text(seed, words)
-    answer = live.generate(server, text)
-    full = answer["meta_info"]["prompt_tokens"] // PAGE
-    before = set(hashes(server))
-    wait_until(lambda: len(set(hashes(server)) | before) >= full and _has_prompt(server, answer), timeout_s=30,
-               message=f"{server.name}'s pages of prompt {seed} backed up")
-    return text, answer
-
-
-def _has_prompt(server, answer) -> bool:
-    return metric(server.runner_get("/metrics"), "kvcr_pages", tier="dram", state="ready") >= \
-        answer["meta_info"]["prompt_tokens"] // PAGE
+    return text, live.serve(server, text)
 
 
 def runner_metric(server, name: str) -> float:
@@ -79,7 +62,7 @@ def test_a_hint_naming_a_dead_peer_is_a_miss_and_the_peer_is_asked_once(trio, li
     answers = []
     for seed in (201, 202):
         text, at_a = served(a, live, seed=seed)
-        got = live.generate(b, text, kv_hints=build_envelope(dead, hashes(a)))
+        got = live.generate(b, text, kv_hints=build_envelope(dead, a.stored_hashes()))
         assert got["meta_info"]["cached_tokens"] == 0
         assert live.logprobs(got) == live.logprobs(at_a)
         answers.append(got)
@@ -92,7 +75,7 @@ def test_a_hint_naming_a_dead_peer_is_a_miss_and_the_peer_is_asked_once(trio, li
 def test_a_hint_naming_a_peer_of_another_namespace_is_a_miss(trio, live):
     _, b, c = trio
     text, at_c = served(c, live, seed=210)
-    got = live.generate(b, text, kv_hints=build_envelope(c.endpoints["control"], hashes(c)))
+    got = live.generate(b, text, kv_hints=build_envelope(c.endpoints["control"], c.stored_hashes()))
     assert got["meta_info"]["cached_tokens"] == 0
     assert live.logprobs(got) == live.logprobs(at_c)
     assert runner_metric(c, "kvcr_claims_held") == 0
@@ -119,12 +102,11 @@ def test_a_hit_below_the_prefetch_threshold_is_revoked_and_its_claim_given_back_
     # 256-token prefetch_threshold, and the revoke hook returns the claim (B asked a 60 s lease).
     a, b, _ = trio
     head = prompt_text(250, 165)
-    at_a = live.generate(a, head)
+    at_a = live.serve(a, head)
     assert 160 <= at_a["meta_info"]["prompt_tokens"] < 176  # 10 full pages
-    wait_until(lambda: _has_prompt(a, at_a), timeout_s=30, message="A's 10 pages backed up")
     hits = runner_metric(a, "kvcr_hits_total")
     text = head + " " + prompt_text(251, 250)
-    got = live.generate(b, text, kv_hints=build_envelope(a.endpoints["control"], hashes(a)))
+    got = live.generate(b, text, kv_hints=build_envelope(a.endpoints["control"], a.stored_hashes()))
     assert got["meta_info"]["cached_tokens"] == 0
     assert runner_metric(a, "kvcr_hits_total") >= hits + 10  # the claim was granted
     wait_until(lambda: runner_metric(a, "kvcr_claims_held") == 0, timeout_s=10, message="the revoked claim back")
@@ -134,7 +116,7 @@ def test_a_hit_below_the_prefetch_threshold_is_revoked_and_its_claim_given_back_
 def test_a_peer_killed_while_the_prefetch_waits_on_it_is_a_miss_and_serves_again_after_restart(trio, live):
     a, b, _ = trio
     text, at_a = served(a, live, seed=230)
-    envelope = build_envelope(a.endpoints["control"], hashes(a))
+    envelope = build_envelope(a.endpoints["control"], a.stored_hashes())
     old_regions = regions(a)
     scheduler(a).send_signal(signal.SIGSTOP)  # the claim below waits on A
     result: dict = {}
@@ -149,7 +131,7 @@ def test_a_peer_killed_while_the_prefetch_waits_on_it_is_a_miss_and_serves_again
     a.start().wait_ready()
     text2, at_a2 = served(a, live, seed=231)
     assert not (old_regions & regions(a)), "the killed engine's region outlived its restart"
-    envelope2 = build_envelope(a.endpoints["control"], hashes(a))
+    envelope2 = build_envelope(a.endpoints["control"], a.stored_hashes())
 
     def pulled_again():
         live.flush(b)
@@ -164,7 +146,7 @@ def test_a_peer_killed_while_the_prefetch_waits_on_it_is_a_miss_and_serves_again
 def test_a_stalled_peers_late_grant_is_given_back_at_once(trio, live):
     a, b, _ = trio
     text, at_a = served(a, live, seed=240)
-    envelope = build_envelope(a.endpoints["control"], hashes(a))
+    envelope = build_envelope(a.endpoints["control"], a.stored_hashes())
     hits = runner_metric(a, "kvcr_hits_total")
     sched = scheduler(a)
     sched.send_signal(signal.SIGSTOP)

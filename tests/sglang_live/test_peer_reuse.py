@@ -8,7 +8,6 @@ import pytest
 
 from kvcr.client import ControlClient
 from kvcr.proto import messages as m
-from kvcr.proto.events import BlockStored
 from kvcr.proto.hints import build_envelope
 from tests.conftest import wait_until
 from tests.sglang_live.conftest import metric
@@ -17,15 +16,6 @@ from sglang_adapter.cpu_harness.model import prompt_text
 pytestmark = pytest.mark.live_sglang
 PAGE = 16
 WAIT = ["--hicache-storage-prefetch-policy", "wait_complete"]
-
-
-def chain(server) -> list[BlockStored]:
-    with ControlClient(server.endpoints["control"]) as client:
-        return [e for e in client.snapshot()[1] if isinstance(e, BlockStored)]
-
-
-def hashes(server) -> list[int]:
-    return [h for e in chain(server) for h in e.block_hashes]
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +29,10 @@ def trio(engines):
 def test_a_hinted_engine_pulls_the_peers_pages_and_answers_as_the_peer(trio, transfer, live):
     a, bs = trio
     b = bs[transfer]
-    text = prompt_text(100 + len(transfer), 500)
-    first = live.generate(a, text)
+    text = prompt_text(100, 500)  # the same prompt for each B: A serves it once, each B pulls it
+    first = live.serve(a, text)
     full = first["meta_info"]["prompt_tokens"] // PAGE
-    wait_until(lambda: len(hashes(a)) >= full, timeout_s=30, message="A's pages backed up")
-    hint = build_envelope(a.endpoints["control"], hashes(a))
+    hint = build_envelope(a.endpoints["control"], a.stored_hashes())
     pulled = live.generate(b, text, kv_hints=hint)
     meta = pulled["meta_info"]
     assert meta["cached_tokens"] == full * PAGE
@@ -55,10 +44,10 @@ def test_a_hinted_engine_pulls_the_peers_pages_and_answers_as_the_peer(trio, tra
     b_metrics = b.runner_get("/metrics")
     assert metric(b_metrics, "kvcr_pulled_pages_total") >= full
     # B keeps what it pulled, announced whole from the root: no hint needed next time
-    b_chain = chain(b)
-    assert set(hashes(a)) <= set(hashes(b))
+    b_chain = b.stored()
+    assert set(a.stored_hashes()) <= set(b.stored_hashes())
     roots = [e for e in b_chain if e.parent_block_hash is None]
-    assert roots and roots[0].block_hashes[0] == hashes(a)[0]
+    assert roots and roots[0].block_hashes[0] == a.stored_hashes()[0]
     live.flush(b)
     again = live.generate(b, text)
     assert again["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
@@ -70,10 +59,9 @@ def test_a_hint_posted_to_the_engines_runner_makes_it_pull_without_a_request_hin
     a, bs = trio
     b = bs["get"]
     text = prompt_text(150, 400)
-    first = live.generate(a, text)
+    first = live.serve(a, text)
     full = first["meta_info"]["prompt_tokens"] // PAGE
-    wait_until(lambda: len(hashes(a)) >= full, timeout_s=30, message="A's pages backed up")
-    mine = [h for h in hashes(a) if h not in set(hashes(b))]
+    mine = [h for h in a.stored_hashes() if h not in set(b.stored_hashes())]
     with ControlClient(b.endpoints["control"]) as client:
         assert client.request(m.PostHint(envelope=build_envelope(a.endpoints["control"], mine))).num_hashes == len(mine)
     pulled = live.generate(b, text)
