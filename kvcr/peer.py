@@ -266,6 +266,9 @@ class Puller:
                 self.forget(endpoint)
                 return self.confirm(endpoint, pool, page_hexes, _retry=False)
             return None
+        if self._copies(src):
+            with src.lock:
+                self._map_same_host(src)  # a failure shows at the copy
         return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s, sent,
                             src.page_bytes[pool], reply.digests)
 
@@ -369,7 +372,7 @@ class Puller:
 
     def _transfer(self, conf: Confirmation, ops: list) -> GetResult:
         src = conf.source
-        if self.transport == "shm" or (self.transport == "auto" and self._same_host(src)):
+        if self._copies(src):
             return self._copy_same_host(src, ops)
         if self.transport in ("get", "auto"):
             return self.plane.get(src.address, src.rkeys, src.region_base,
@@ -402,17 +405,31 @@ class Puller:
     def _same_host(src: PeerSource) -> bool:
         return bool(src.host_id) and src.host_id == host_id() and os.access(src.shm_path, os.R_OK)
 
+    def _copies(self, src: PeerSource) -> bool:
+        """Same-host copy rather than UCX: asked for, or "auto" with the source's pool mapped or mappable."""
+        return self.transport == "shm" or (self.transport == "auto" and (src.region is not None or self._same_host(src)))
+
+    def _map_same_host(self, src: PeerSource) -> str:
+        """Map the source's pool read-only (call with `src.lock` held); returns the problem, if any.
+        Mapped at the grant, a source that dies after granting still holds, in our mapping, exactly
+        the pages it claimed for us (its file may be unlinked by then)."""
+        if src.region is not None:
+            return ""
+        if not self._same_host(src):
+            return "the source is gone or not on this host"
+        try:
+            src.region = Region.attach(src.shm_path, writable=False)
+        except (OSError, RegionError) as exc:
+            return f"cannot map the source's pool: {exc}"
+        return ""
+
     def _copy_same_host(self, src: PeerSource, ops: list) -> GetResult:
         """Same host: copy straight from the source's pool, mapped read-only. A memcpy ends before
         we return, so nothing is ever left in flight (no cancel, no uncertainty)."""
         with src.lock:
-            if src.closed or not self._same_host(src):
-                return GetResult((False,) * len(ops), error="the source is gone or not on this host")
-            if src.region is None:
-                try:
-                    src.region = Region.attach(src.shm_path, writable=False)
-                except (OSError, RegionError) as exc:
-                    return GetResult((False,) * len(ops), error=f"cannot map the source's pool: {exc}")
+            problem = "the source is forgotten" if src.closed else self._map_same_host(src)
+            if problem:
+                return GetResult((False,) * len(ops), error=problem)
             base, size = src.region.address, src.region.size
             done = [0 <= op.remote_offset and op.remote_offset + op.nbytes <= size for op in ops]
             self._copier.copy([(op.local, op.nbytes, base + op.remote_offset) for op, ok in zip(ops, done) if ok])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,10 +23,22 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disabl
              "--mem-fraction-static", "0.5"]
 
 
+# Ports an engine binds only once it is up (tens of seconds later) are drawn below Linux's
+# ephemeral range (32768-60999), where the OS hands out ports to everyone else meanwhile.
+PORTS = range(20000, 32000)
+_rng = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        port = _rng.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS}")
 
 
 # KVCR_LIVE_GPU=1 (bench/gpu_smoke.sh): the same engines on a GPU, stock SGLang, nothing patched.
