@@ -181,11 +181,22 @@ class Puller:
                     src.client.drain_late()
                 src.flush_releases()
                 pending = src.client.num_abandoned
-            if pending and time.monotonic() < until:
-                timer = threading.Timer(LATE_POLL_S, poll)
-                timer.daemon = True
-                timer.start()
+            if not pending:
+                return
+            if time.monotonic() >= until:  # it never answered: drop its socket and mapping
+                self._forget_source(src)
+                return
+            timer = threading.Timer(LATE_POLL_S, poll)
+            timer.daemon = True
+            timer.start()
         poll()
+
+    def _forget_source(self, src: PeerSource) -> None:
+        """forget(), unless the endpoint is already known by a newer connection."""
+        with self._lock:
+            current = self._sources.get(src.endpoint) is src
+        if current:
+            self.forget(src.endpoint)
 
     def _describe(self, endpoint: str, client: ControlClient, info: dict) -> PeerSource:
         if info["protocol"][0] != m.PROTOCOL_MAJOR:
@@ -268,7 +279,8 @@ class Puller:
             return None
         if self._copies(src):
             with src.lock:
-                self._map_same_host(src)  # a failure shows at the copy
+                if not src.closed:
+                    self._map_same_host(src)  # a failure shows at the copy
         return Confirmation(src, pool, reply.claim_id, reply.offsets, reply.announces, sent + reply.lease_s, sent,
                             src.page_bytes[pool], reply.digests)
 

@@ -206,6 +206,16 @@ def install_if_launched() -> None:
         install()
 
 
+def _rust_tree_core() -> tuple[type, ...]:
+    """SGLang's Rust tree core, where its extension loads (SGLang falls back to the Python core
+    where it does not, and so do we)."""
+    try:
+        from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    except Exception:  # noqa: BLE001 - a missing or unbuildable extension: the Python core serves
+        return ()
+    return (RustUnifiedTreeCore,)
+
+
 def install() -> None:
     """Idempotent. Raises UnsupportedSGLang on any other SGLang release."""
     global _installed
@@ -215,12 +225,11 @@ def install() -> None:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
-    for core in (UnifiedTreeCore, RustUnifiedTreeCore):  # engines run the Rust one by default
+    for core in (UnifiedTreeCore, *_rust_tree_core()):  # engines run the Rust one where it loads
         core.build_storage_backup_spec = _record_backup_namespace(core.build_storage_backup_spec)
     for cls in (HiCacheController, HybridCacheController):
         cls._storage_hit_query = _with_request_hints(cls._storage_hit_query)

@@ -58,6 +58,12 @@ class PendingClaims:
                 start += len(p.page_hexes)
         return start
 
+    def started(self, owner: str | None) -> None:
+        """`owner` starts a prefetch (SGLang retries and re-prefetches under the same request id):
+        its grants count again."""
+        with self._lock:
+            self._ended.pop(owner, None)
+
     def first_claimed(self, keys: list[str]) -> int:
         """Where the first claim on exactly these keys starts (len(keys): none): the pages before
         it are expected locally, the rest from peers."""

@@ -106,6 +106,7 @@ class KVCRSidecarStorage(HiCacheStorage):
             if local == len(keys):
                 return local
             owner = hooks.current_request()
+            self._pending.started(owner)
             confirmed = self._pending.covered(keys, local, owner)
             if confirmed > local:
                 return confirmed

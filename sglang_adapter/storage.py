@@ -174,6 +174,7 @@ class KVCRStorage(HiCacheStorage):
         if local == len(keys) or self.runner.puller is None:
             return local
         owner = hooks.current_request()
+        self._pending.started(owner)
         confirmed = self._pending.covered(keys, local, owner)
         if confirmed > local:
             return confirmed  # asked again (another rank's query, a retry, a shared prefix): the claims stand
@@ -274,7 +275,12 @@ class KVCRStorage(HiCacheStorage):
 
     def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
         def keep(first: int, count: int, conf) -> None:
-            self._keep_pulled(keys[first:first + count], segments[first:first + count], conf.announces()[:count])
+            try:
+                announces = conf.announces()[:count]
+            except EventError as exc:  # delivered to SGLang all the same; we just do not keep them
+                log.warning("kvcr: pulled pages not kept: the source's announces are malformed: %s", exc)
+                return
+            self._keep_pulled(keys[first:first + count], segments[first:first + count], announces)
 
         delivered = deliver_confirmed(self.runner.puller, self._pending, keys, segments, n,
                                       self.layouts[POOL].segment_bytes, on_delivered=keep)

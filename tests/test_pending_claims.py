@@ -93,3 +93,11 @@ def test_a_claim_granted_after_its_prefetch_ended_is_not_held(owners, held):
     assert claims.take_starting_in(["g0"], "rid-late") == []  # the prefetch ended before the grant came
     assert claims.add(Pending(conf=object(), page_hexes=["g0", "g1"], since=0.0, owners=set(owners))) is held
     assert len(claims) == int(held)
+
+
+def test_a_request_prefetching_again_under_the_same_id_gets_its_grants_held():
+    # SGLang retries a prefetch (and re-prefetches a retracted request) under the same rid.
+    claims = PendingClaims()
+    claims.take_starting_in(["r0"], "rid-retry")  # the first prefetch ended
+    claims.started("rid-retry")                   # the retry's hit query begins
+    assert claims.add(Pending(conf=object(), page_hexes=["r0"], since=0.0, owners={"rid-retry"}))

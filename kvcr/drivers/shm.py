@@ -108,9 +108,16 @@ if os.fork():
 os.setsid()
 pid, path = int(sys.argv[1]), sys.argv[2]
 try:
-    select.select([os.pidfd_open(pid)], [], [])
+    fd = os.pidfd_open(pid)
 except OSError:
-    while os.path.exists("/proc/%d" % pid):
+    fd = None
+while os.path.exists(path):  # closed normally: the owner unlinked it, nothing to watch
+    if fd is not None:
+        if select.select([fd], [], [], 5.0)[0]:
+            break
+    elif not os.path.exists("/proc/%d" % pid):
+        break
+    else:
         time.sleep(0.5)
 try:
     os.unlink(path)
@@ -121,9 +128,13 @@ except FileNotFoundError:
 
 def reap_on_exit(path: str) -> None:
     """Unlink `path` once this process is gone, even if it is SIGKILLed (SGLang kills its
-    schedulers; a runner inside one never reaches its close)."""
-    subprocess.run([sys.executable, "-S", "-c", _REAPER, str(os.getpid()), path], check=True, timeout=10,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    schedulers; a runner inside one never reaches its close). Best effort: without a watcher the
+    next runner's sweep reclaims the region."""
+    try:
+        subprocess.run([sys.executable, "-S", "-c", _REAPER, str(os.getpid()), path], check=True, timeout=10,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("no watcher for %s (a kill leaves it until the next runner's sweep): %s", path, exc)
 
 
 @dataclass
