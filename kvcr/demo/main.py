@@ -322,5 +322,9 @@ def run(args: argparse.Namespace) -> int:
             _say("stopping workers and router")
             return 130 if rc is None else rc
         finally:
+            # A signal during the (bounded) shutdown must not cut it short and leave children behind,
+            # nor replace the exit code with death by SIGINT.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             demo.stop()
             sweep_stale()  # regions of a child that had to be killed
