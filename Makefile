@@ -68,6 +68,8 @@ bench: sglang-setup dynamo-setup
 	$(VENV)/bin/python bench/router_overhead.py
 	$(VENV)/bin/python bench/sglang_adapter.py
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live.py
+	$(PIP) install py-spy
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live_profile.py
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info
