@@ -96,13 +96,7 @@ class Demo:
             w.wait_ready()
         cfg = {"router": {"port": 0, "block_size": a.page_size},
                "workers": [{"name": w.name, "url": w.url} for w in self.workers]}
-        (self.tmp / "router.json").write_text(json.dumps(cfg))
-        _say("[2/4] starting the router (subscribes to every runner's event stream)")
-        self.router = Child(logs, "router", ["router", "--config", str(self.tmp / "router.json")], self.env)
-        self.children.append(self.router)
-        self.router.start()
-        self.router.wait_ready()
-        _say(f"      router {self.router.url}  (/metrics, /debug/index)")
+        self.start_router(cfg, logs, "")
         for w in self.workers:
             ep = w.info["kvcr_runner"]["endpoints"]
             _say(f"      {w.name} {w.url}/metrics  runner control {ep['control']}  events {ep['events']}")
@@ -114,6 +108,16 @@ class Demo:
     def snapshot(self) -> dict[str, dict]:
         """Per worker: {"tiers": its runner's tiers, "stats": its request counts} (the live table, the summary)."""
         return {w.name: get_json(w.url + "/server_info") for w in self.workers}
+
+    def start_router(self, cfg: dict, logs: Path, note: str) -> None:
+        """`kvcr router` over the engines in `cfg`, up and announced (step 2 of 4)."""
+        (self.tmp / "router.json").write_text(json.dumps(cfg))
+        _say(f"[2/4] starting the router (subscribes to every runner's event stream{note})")
+        self.router = Child(logs, "router", ["router", "--config", str(self.tmp / "router.json")], self.env)
+        self.children.append(self.router)
+        self.router.start()
+        self.router.wait_ready()
+        _say(f"      router {self.router.url}  (/metrics, /debug/index)")
 
     def driver_args(self) -> list[str]:
         return []

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from ..drivers.ucx_env import SINGLE_HOST_UCX_ENV
 from .main import Demo, _say
-from .procs import Child
 from .sglang_driver import metric, runner_metrics
 
 SGLANG_VERSION = "0.5.23"
@@ -152,13 +151,7 @@ class SGLangDemo(Demo):
         cfg = {"router": {"port": 0, "block_size": a.page_size, "tokenizer": str(self.model_dir)},
                "workers": [{"name": e.name, "url": e.url, "engine": "sglang", "runner": e.runner_http}
                            for e in self.workers_]}
-        (self.tmp / "router.json").write_text(json.dumps(cfg))
-        _say("[2/4] starting the router (subscribes to every runner's event stream; the model's tokenizer)")
-        self.router = Child(logs, "router", ["router", "--config", str(self.tmp / "router.json")], self.env)
-        self.children.append(self.router)
-        self.router.start()
-        self.router.wait_ready()
-        _say(f"      router {self.router.url}  (/metrics, /debug/index)")
+        self.start_router(cfg, logs, "; the model's tokenizer")
         for e in self.workers_:
             _say(f"      {e.name} {e.url}  runner {e.runner_http}/metrics  control {e.endpoints['control']}  "
                  f"events {e.endpoints['events']}")

@@ -91,11 +91,8 @@ def live():
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """A value from Prometheus text: the sum over the samples carrying `labels`."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    samples = [line for line in text.splitlines()
-               if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in want)]
-    assert samples, f"metric {name}{labels or ''} missing"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
+    """A value from Prometheus text: the sum over the samples carrying `labels` (which must exist)."""
+    from kvcr.demo.sglang_driver import metric as summed
 
-
+    assert any(line.startswith(name) for line in text.splitlines()), f"metric {name} missing"
+    return summed(text, name, **labels)
