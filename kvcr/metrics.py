@@ -120,6 +120,9 @@ class RunnerCollector:
         yield GaugeMetricFamily("kvcr_ucx_registration_seconds", "Time the region registration took",
                                 value=plane.registration_seconds)
         yield CounterMetricFamily("kvcr_pulled_pages", "Pages pulled from peers into DRAM", value=runner.num_pulled)
+        yield CounterMetricFamily("kvcr_ucx_workers_retired",
+                                  "Pull workers destroyed after a transfer that did not end in time",
+                                  value=plane.num_retired_workers)
         yield CounterMetricFamily("kvcr_pull_uncertain_pages", "Slots quarantined after an uncertain pull",
                                   value=runner.num_uncertain)
         yield CounterMetricFamily("kvcr_pull_digest_mismatches", "Pulled pages whose bytes missed their digest",

@@ -292,6 +292,38 @@ def test_a_restarted_source_is_fenced_and_then_served_afresh(runner_factory, pul
     no_claims_left(ai)  # the claim granted to the stale view was given back
 
 
+@pytest.mark.parametrize("transfer", ["get", "tag"])
+def test_a_puller_pulls_again_after_its_source_dies_mid_transfer_any_number_of_times(runner_factory, puller,
+                                                                                      transfer):
+    """A source stopped with our GETs (or tagged sends) in flight, then killed and restarted, three
+    times: each stuck transfer ends by the stated bound, leaves nothing uncertain, and the same
+    puller then pulls every page from the restarted source."""
+    from tests.dynamo import free_port
+
+    a, ai = source(runner_factory, **{"runner.control_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                      "dram.size": "64Mi"})
+    puller.transport = transfer
+    bound = puller.timeout_s + puller.abandon_s + 2
+    raw, dests = buffers(128)
+    for _ in range(3):
+        keys, _, data = store(ai, 128, seed=16)
+        conf = puller.confirm(ai["endpoints"]["control"], "kv", keys)
+        a.proc.send_signal(signal.SIGSTOP)  # granted, then frozen: nothing it should send comes
+        t0 = time.monotonic()
+        result = puller.deliver(conf, dests)
+        assert time.monotonic() - t0 < bound and not result.uncertain and result.delivered == 0, result
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(5)
+        ai = a.start()
+        wait_registered(ai)
+    keys, _, data = store(ai, 128, seed=16)
+    t0 = time.monotonic()
+    assert puller.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 128
+    assert time.monotonic() - t0 < bound and raw.raw[:128 * PAGE] == b"".join(data)
+    assert puller.plane.num_retired_workers == 3
+    no_claims_left(ai)
+
+
 @pytest.mark.parametrize("transfer", ["get", "tag", "shm", "auto"])
 def test_both_transfers_deliver_the_same_bytes_scattered_over_the_destination(runner_factory, puller, transfer):
     a, ai = source(runner_factory)

@@ -33,7 +33,7 @@ import ucxx._lib.libucxx as ucx  # noqa: E402  (after the environment is set)
 from ucxx._lib.arr import Array  # noqa: E402
 
 from ..proto.pull import split_even  # noqa: E402
-from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progress_worker  # noqa: E402
+from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progress_worker, recv_batch, settle  # noqa: E402
 
 log = logging.getLogger(__name__)
 REGISTRATION_CHUNK = 1 << 30
@@ -55,11 +55,12 @@ def _array(address: int, nbytes: int) -> Array:
 class _Lane:
     """A worker used only for our GETs, its endpoints to peers and their unpacked keys."""
 
-    def __init__(self, worker) -> None:
-        self.worker = worker
+    def __init__(self, context) -> None:
+        self.context = context
+        self.worker = ucx.UCXWorker(context)
         self.lock = threading.Lock()
         self.endpoints: dict[bytes, tuple[object, dict[bytes, RemoteKey]]] = {}
-        self.parked: list[tuple[object, dict[bytes, RemoteKey]]] = []  # never destroyed (see park)
+        self.num_retired = 0
 
     def endpoint(self, peer_address: bytes):
         entry = self.endpoints.get(peer_address)
@@ -68,12 +69,6 @@ class _Lane:
                                                                  True)
             entry = self.endpoints[peer_address] = (ep, {})
         return entry
-
-    def park(self, peer_address: bytes) -> None:
-        """Stop using an endpoint that still has requests in flight, without destroying it."""
-        entry = self.endpoints.pop(peer_address, None)
-        if entry is not None:
-            self.parked.append(entry)
 
     def forget(self, peer_address: bytes) -> int:
         """Drop the endpoint; returns rkeys that could not be destroyed (UCX tore the endpoint down)."""
@@ -93,6 +88,23 @@ class _Lane:
             log.debug("closing endpoint failed", exc_info=True)
         return leaked
 
+    def stop(self, peer_address: bytes, outstanding: tuple[int, ...], abandon_s: float) -> int:
+        """End GETs still running at their deadline: force-close their endpoint (UCX then fails
+        them) and wait for each, then retire the worker. Returns rkeys that could not be destroyed."""
+        leaked = self.forget(peer_address)  # a forced close: error handling is on for our endpoints
+        if not settle(self.worker.handle, outstanding, abandon_s):
+            log.warning("%d GETs outlived their endpoint; destroying their worker ends them", len(outstanding))
+        return leaked + self.retire()
+
+    def retire(self) -> int:
+        """Destroy the worker and start over on a new one: a worker whose peer died mid-transfer
+        stalls every later request, to any peer, and destroying it ends whatever still ran on it
+        (no byte lands after). The caller must hold no endpoint of it. Returns rkeys leaked."""
+        leaked = sum(self.forget(peer) for peer in list(self.endpoints))
+        self.worker = ucx.UCXWorker(self.context)  # the old one goes with its last reference
+        self.num_retired += 1
+        return leaked
+
 
 @dataclass(frozen=True, slots=True)
 class RegisteredChunk:
@@ -108,10 +120,8 @@ class UcxPlane:
         self.address = self.worker.address.tobytes()
         # Our GETs use their own workers ("lanes"), each progressed only by the thread pulling on it:
         # a peer's failure is handled inside our own progress calls, never under our feet.
-        self._lanes = [_Lane(ucx.UCXWorker(self.context)) for _ in range(lanes)]
+        self._lanes = [_Lane(self.context) for _ in range(lanes)]
         self._lane_pool = ThreadPoolExecutor(max(1, lanes - 1), thread_name_prefix="kvcr-ucx-lane")
-        self.pull_worker = self._lanes[0].worker
-        self.pull_address = self.pull_worker.address.tobytes()
         self._send_endpoints: OrderedDict[bytes, object] = OrderedDict()
         self.num_leaked_rkeys = 0
         self._lock = threading.Lock()  # one thread progresses the worker during a pull
@@ -163,6 +173,16 @@ class UcxPlane:
 
     # --- destination side -------------------------------------------------------------------------
 
+    @property
+    def pull_address(self) -> bytes:
+        """Where a source sends tagged pages: the first lane's worker (it changes when retired)."""
+        return self._lanes[0].worker.address.tobytes()
+
+    @property
+    def num_retired_workers(self) -> int:
+        return sum(lane.num_retired for lane in self._lanes)
+
+
     def get(self, peer_address: bytes, rkeys: dict[int, bytes], remote_base: int, ops: list[tuple[int, int, int]],
             *, timeout_s: float, abandon_s: float) -> GetResult:
         """GETs of (local_address, nbytes, remote_offset), each inside one registered chunk of the
@@ -188,13 +208,16 @@ class UcxPlane:
         return GetResult(tuple(done), any(r.uncertain for r in results), error)
 
     def _lane_get(self, lane: "_Lane", *args) -> GetResult:
-        """A lane's GETs; an unexpected failure leaves its buffers uncertain (nothing proves they stopped)."""
+        """A lane's GETs. After an unexpected failure nothing proves they stopped: the lane's worker
+        is destroyed, which ends them."""
         pieces = args[3]
         try:
             return self._get_on_lane(lane, *args)
         except Exception as exc:
             log.exception("GETs on a lane failed")
-            return GetResult((False,) * len(pieces), uncertain=True, error=f"{type(exc).__name__}: {exc}")
+            with lane.lock:
+                self.num_leaked_rkeys += lane.retire()
+            return GetResult((False,) * len(pieces), error=f"{type(exc).__name__}: {exc}")
 
     def _get_on_lane(self, lane: "_Lane", peer_address: bytes, rkeys: dict[int, bytes], remote_base: int,
                      pieces: list[tuple[int, int, int, int, int]], timeout_s: float, abandon_s: float) -> GetResult:
@@ -213,18 +236,16 @@ class UcxPlane:
             except Exception as exc:
                 self.num_leaked_rkeys += lane.forget(peer_address)
                 return GetResult((False,) * len(pieces), error=f"cannot reach the peer: {type(exc).__name__}: {exc}")
-            results = {}
-            for chunk, chunk_ops in groups.items():
-                key = keys[chunk]
-                results[chunk] = get_batch(lane.worker.handle, ep.handle, key, chunk_ops, timeout_s=timeout_s,
-                                           abandon_s=abandon_s, alive=lambda: ep.alive)
+            results = {chunk: get_batch(lane.worker.handle, ep.handle, keys[chunk], chunk_ops, timeout_s=timeout_s,
+                                        alive=lambda: ep.alive) for chunk, chunk_ops in groups.items()}
             error = next((r.error for r in results.values() if r.error), "")
-            uncertain = any(r.uncertain for r in results.values())
-            if uncertain:
-                lane.park(peer_address)  # requests may still run: their endpoint and keys must outlive them
+            outstanding = tuple(q for r in results.values() for q in r.outstanding)
+            if outstanding:
+                ep = None  # our last reference to the endpoint: retiring destroys its worker
+                self.num_leaked_rkeys += lane.stop(peer_address, outstanding, abandon_s)
             elif error:
                 self.num_leaked_rkeys += lane.forget(peer_address)  # a failed peer gets a fresh endpoint
-            return GetResult(tuple(results[chunk].done[i] for chunk, i in order), uncertain, error)
+            return GetResult(tuple(results[chunk].done[i] for chunk, i in order), error=error)
 
     # --- two-sided fallback: tagged sends into buffers the destination posted -------------------
 
@@ -252,22 +273,12 @@ class UcxPlane:
         """Destination side: post a receive per (local address, nbytes, tag), then progress until
         they complete. `source_answer()` polls the source's reply to our send request: None while
         pending, True once it sent, False if it refused (then nothing will come: cancel at once)."""
-        with self._lanes[0].lock:
-            requests = [self.pull_worker.tag_recv(_array(addr, n), ucx.UCXXTag(tag)) for addr, n, tag in ops]
-            deadline = time.monotonic() + timeout_s
-            cancelled = False
-            while not all(r.completed for r in requests):
-                self.pull_worker.progress()
-                if source_answer() is False and not cancelled:
-                    deadline = time.monotonic()
-                if time.monotonic() >= deadline:
-                    if cancelled:
-                        return GetResult(tuple(r.completed and r.status == 0 for r in requests), uncertain=True,
-                                         error="tagged receives still outstanding after cancel")
-                    self.pull_worker.cancel_inflight_requests()
-                    cancelled, deadline = True, time.monotonic() + abandon_s
-            done = tuple(r.status == 0 for r in requests)
-            return GetResult(done, error="" if all(done) else "tagged transfer failed or was cancelled")
+        lane = self._lanes[0]
+        with lane.lock:
+            result = recv_batch(lane.worker.handle, ops, source_answer, timeout_s=timeout_s, abandon_s=abandon_s)
+            if not all(result.done):  # a sender that stalled or died may have wedged this worker
+                self.num_leaked_rkeys += lane.retire()  # and receives it could not cancel end with it
+            return GetResult(result.done, error=result.error)
 
     def close(self) -> None:
         for lane in self._lanes:

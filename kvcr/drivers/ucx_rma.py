@@ -22,6 +22,7 @@ UCS_INPROGRESS = 1
 UCS_ERR_LAST = -100
 MEM_MAP_FIELD_ADDRESS = 1 << 0
 MEM_MAP_FIELD_LENGTH = 1 << 1
+ALL_TAG_BITS = (1 << 64) - 1  # a tagged receive matches its tag exactly
 REQUEST_PARAM_BYTES = 256  # >= sizeof(ucp_request_param_t); op_attr_mask 0 means "read nothing else"
 
 
@@ -47,19 +48,20 @@ def _load() -> ctypes.CDLL:
     libucx.load_library()
     lib = ctypes.CDLL(str(Path(libucx.__file__).parent / "lib" / "libucp.so"), mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL
                       if hasattr(os, "RTLD_NOLOAD") else ctypes.RTLD_GLOBAL)
-    vp, sz, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
+    vp, sz, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint  # ucs_status_t is a packed enum: int8
     signatures = {
         "ucp_get_version": (None, [ctypes.POINTER(u)] * 3),
-        "ucp_mem_map": (ctypes.c_int, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
-        "ucp_mem_unmap": (ctypes.c_int, [vp, vp]),
-        "ucp_rkey_pack": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
+        "ucp_mem_map": (ctypes.c_int8, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
+        "ucp_mem_unmap": (ctypes.c_int8, [vp, vp]),
+        "ucp_rkey_pack": (ctypes.c_int8, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
         "ucp_rkey_buffer_release": (None, [vp]),
-        "ucp_ep_rkey_unpack": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp)]),
+        "ucp_ep_rkey_unpack": (ctypes.c_int8, [vp, vp, ctypes.POINTER(vp)]),
         "ucp_rkey_destroy": (None, [vp]),
         "ucp_get_nbx": (vp, [vp, vp, sz, ctypes.c_uint64, vp, vp]),
         "ucp_ep_flush_nbx": (vp, [vp, vp]),
+        "ucp_tag_recv_nbx": (vp, [vp, vp, sz, ctypes.c_uint64, ctypes.c_uint64, vp]),
         "ucp_worker_progress": (u, [vp]),
-        "ucp_request_check_status": (ctypes.c_int, [vp]),
+        "ucp_request_check_status": (ctypes.c_int8, [vp]),
         "ucp_request_cancel": (None, [vp, vp]),
         "ucp_request_free": (None, [vp]),
     }
@@ -156,20 +158,22 @@ class RemoteKey:
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
-    """Per GET: True if its bytes arrived. `uncertain`: some buffer may still be written later."""
+    """Per GET: True if its bytes arrived. `uncertain`: some buffer may still be written later.
+    `outstanding`: requests still running at the deadline (handles for `settle`; none once settled)."""
 
     done: tuple[bool, ...]
     uncertain: bool = False
     error: str = ""
+    outstanding: tuple[int, ...] = ()
 
 
 def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, int]], *, timeout_s: float,
-              abandon_s: float, progress=None, alive=lambda: True) -> GetResult:
-    """Post one GET per (local_address, nbytes, remote_address), flush, and wait.
+              progress=None, alive=lambda: True) -> GetResult:
+    """Post one GET per (local_address, nbytes, remote_address), flush, and wait up to `timeout_s`.
 
-    Returns per GET whether it completed. After `timeout_s` outstanding GETs are cancelled; any
-    still not finished after `abandon_s` more are reported `uncertain` (their buffers may still
-    be written), which callers must treat as "do not reuse these buffers".
+    Returns per GET whether it completed. Requests still running at the deadline come back in
+    `outstanding`, unfreed: UCX cannot cancel an RMA request, so the caller must end them (force-
+    close the endpoint, then `settle`) before the buffers may be reused.
     """
     progress = progress or (lambda: _lib.ucp_worker_progress(worker))
     pending: dict[int, int] = {}
@@ -192,33 +196,81 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
     if not flush_ok:
         error = error or f"ucp_ep_flush_nbx failed with status {flush_status}"
     deadline = time.monotonic() + timeout_s
-    cancelled = False
     while pending or flush is not None:
         progress()
         for i, request in list(pending.items()):
-            status = _lib.ucp_request_check_status(request)
-            if status != UCS_INPROGRESS:
+            status = _finished(request)
+            if status is not None:
                 done[i] = status == UCS_OK
                 error = error or ("" if status == UCS_OK else f"GET failed with status {status}")
-                _lib.ucp_request_free(request)
                 del pending[i]
         if flush is not None:
-            status = _lib.ucp_request_check_status(flush)
-            if status != UCS_INPROGRESS:
-                _lib.ucp_request_free(flush)
+            status = _finished(flush)
+            if status is not None:
                 flush = None
                 if status != UCS_OK:
                     flush_ok = False
                     error = error or f"flush failed with status {status}"
-        now = time.monotonic()
-        if not cancelled and now >= deadline and (pending or flush is not None):
-            error = error or f"transfer timed out after {timeout_s} s"
-            for request in [*pending.values(), *([flush] if flush is not None else [])]:
-                _lib.ucp_request_cancel(worker, request)
-            cancelled = True
-            deadline = now + abandon_s
-        elif cancelled and now >= deadline:
-            return GetResult(tuple(done), uncertain=True, error=error + "; requests still outstanding")
+        if time.monotonic() >= deadline and (pending or flush is not None):
+            return GetResult((False,) * len(done), error=error or f"transfer timed out after {timeout_s} s",
+                             outstanding=(*pending.values(), *([flush] if flush is not None else [])))
     if not flush_ok:  # a failed flush means no GET can be trusted, whatever its own status said
         done = [False] * len(done)
     return GetResult(tuple(done), error=error)
+
+
+def recv_batch(worker: int, ops: list[tuple[int, int, int]], source_answer, *, timeout_s: float,
+               abandon_s: float) -> GetResult:
+    """Post a tagged receive per (local_address, nbytes, tag) and progress until they complete.
+    `source_answer()` polls the sender's reply: None while pending, False if it will send nothing
+    (then we stop at once). At the deadline unmatched receives are cancelled; one already
+    receiving cannot be: it comes back in `outstanding` (`uncertain`) for the caller to end."""
+    pending: dict[int, int] = {}
+    done = [False] * len(ops)
+    for i, (local, nbytes, tag) in enumerate(ops):
+        status, request = _status_of(_lib.ucp_tag_recv_nbx(worker, local, nbytes, tag, ALL_TAG_BITS, _NO_PARAMS))
+        if request is not None:
+            pending[i] = request
+        else:
+            done[i] = status == UCS_OK
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        _lib.ucp_worker_progress(worker)
+        for i, request in list(pending.items()):
+            status = _finished(request)
+            if status is not None:
+                done[i] = status == UCS_OK
+                del pending[i]
+        if pending and source_answer() is False:
+            break
+    if not pending:
+        return GetResult(tuple(done), error="" if all(done) else "tagged transfer failed")
+    for request in pending.values():
+        _lib.ucp_request_cancel(worker, request)
+    outstanding = tuple(pending.values())
+    if settle(worker, outstanding, abandon_s):
+        return GetResult((False,) * len(done), error="tagged transfer failed, timed out or was refused")
+    return GetResult((False,) * len(done), uncertain=True, outstanding=outstanding,
+                     error="tagged receives still outstanding after cancel")
+
+
+def _finished(request: int) -> int | None:
+    """The request's final status, freeing it; None while it runs."""
+    status = _lib.ucp_request_check_status(request)
+    if status == UCS_INPROGRESS:
+        return None
+    _lib.ucp_request_free(request)
+    return status
+
+
+def settle(worker: int, requests: tuple[int, ...], timeout_s: float) -> bool:
+    """Progress `worker` until every request finished (freeing each); False if some still run.
+    After a forced endpoint close UCX completes them with an error at the next progress."""
+    left = list(requests)
+    deadline = time.monotonic() + timeout_s
+    while left:
+        _lib.ucp_worker_progress(worker)
+        left = [r for r in left if _finished(r) is None]
+        if left and time.monotonic() >= deadline:
+            return False
+    return True
