@@ -39,17 +39,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.info_file:
         tmp = Path(args.info_file + ".tmp")
-        tmp.write_text(json.dumps(service.info()))
+        tmp.write_text(json.dumps(service.public_info()))
         os.replace(tmp, args.info_file)
-    print(json.dumps(service.info()), file=sys.stderr)
+    print(json.dumps(service.public_info()), file=sys.stderr)
     service.serve_forever()
     return 0
 
 
-def fetch_info(endpoint: str, timeout_s: float = 5.0) -> dict:
-    """A runner's info, from its control socket (tcp://, ipc://) or its HTTP endpoint."""
+def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "") -> dict:
+    """A runner's info, from its control socket (tcp://, ipc://) or its HTTP endpoint (`token`:
+    its runner.http_token). Only the control socket's answer holds what a peer pulls with."""
     if endpoint.startswith(("http://", "https://")):
-        with urllib.request.urlopen(endpoint.rstrip("/") + "/info", timeout=timeout_s) as resp:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(endpoint.rstrip("/") + "/info", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return json.load(resp)
     from .client import ControlClient
 
@@ -59,7 +62,8 @@ def fetch_info(endpoint: str, timeout_s: float = 5.0) -> dict:
 
 def cmd_info(args: argparse.Namespace) -> int:
     try:
-        print(json.dumps(fetch_info(args.endpoint, args.timeout), indent=2))
+        print(json.dumps(fetch_info(args.endpoint, args.timeout, token=os.environ.get("KVCR_HTTP_TOKEN", "")),
+                         indent=2))
     except (TimeoutError, OSError) as exc:
         print(f"kvcr info: {args.endpoint}: {exc}", file=sys.stderr)
         return 1
@@ -142,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--info-file", help="write the runner's info JSON here once it is up")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("info", help="print a runner's info (endpoints, namespace, pools)")
+    p = sub.add_parser("info", help="print a runner's info (endpoints, namespace, pools); "
+                                    "KVCR_HTTP_TOKEN holds an http:// runner's token")
     p.add_argument("endpoint", help="control endpoint tcp://HOST:PORT or http://HOST:PORT")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=cmd_info)

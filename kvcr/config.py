@@ -186,6 +186,11 @@ class RunnerConfig:
     control_endpoint: str = "tcp://127.0.0.1:0"
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    http_token: str = ""           # /info needs `Authorization: Bearer <token>` (required off loopback)
+    # A control socket or /info reachable from other hosts must authenticate (CURVE, a token);
+    # true accepts, by name, that anyone who reaches them can read and write pages.
+    insecure: bool = False
+    ucx_interface: str = ""        # the device UCX listens and connects on (UCX_NET_DEVICES); "": UCX's choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +228,12 @@ class Config:
         return CurveKeys(r.curve_public_key.encode(), r.curve_secret_key.encode(),
                          frozenset({r.curve_public_key.encode(), *(k.encode() for k in r.curve_allowed_clients)}))
 
+    @property
+    def page_digests(self) -> bool:
+        """Digest each page at commit and check pulled pages against the source's digests: asked
+        for, and always with CURVE on (a page changed behind the runner's back is never delivered)."""
+        return self.runner.verify_transfer_bytes or bool(self.runner.curve_public_key)
+
     def pool_sizes(self) -> dict[str, int]:
         """Bytes per pool; a pool with size 0 takes what the others leave of dram.size."""
         fixed = sum(p.size for p in self.dram.pools)
@@ -234,6 +245,25 @@ class Config:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _off_host(endpoint_or_host: str) -> bool:
+    """Whether a tcp:// endpoint (or a bare host) is reachable from other hosts: not loopback, not ipc."""
+    m = re.fullmatch(r"tcp://(.+):\d+", endpoint_or_host)
+    host = m.group(1) if m else "" if "://" in endpoint_or_host else endpoint_or_host
+    return bool(host) and host.strip("[]") not in ("localhost", "::1") and not host.startswith("127.")
+
+
+def _validate_exposure(r: RunnerConfig) -> None:
+    if r.insecure:
+        return
+    _require(not _off_host(r.control_endpoint) or bool(r.curve_public_key),
+             f"runner.control_endpoint = {r.control_endpoint!r} is reachable from other hosts, and its answers let "
+             "a client read and write pages: set runner.curve_public_key/curve_secret_key (docs/security.md), "
+             "or runner.insecure = true to accept that")
+    _require(not _off_host(r.http_host) or bool(r.http_token),
+             f"runner.http_host = {r.http_host!r} is reachable from other hosts: set runner.http_token "
+             "(docs/security.md), or runner.insecure = true to accept an open /info")
 
 
 def _validate(cfg: Config) -> None:
@@ -257,6 +287,9 @@ def _validate(cfg: Config) -> None:
              f"runner.control_timeout_s = {r.control_timeout_s} / runner.unreachable_backoff_s = "
              f"{r.unreachable_backoff_s} must be > 0")
     _require(0 <= r.http_port < 65536, f"runner.http_port = {r.http_port} is not a port")
+    _require(not r.http_token or len(r.http_token) >= 16, "runner.http_token must be at least 16 characters")
+    _require(bool(re.fullmatch(r"[A-Za-z0-9_.:-]*", r.ucx_interface)),
+             f"runner.ucx_interface = {r.ucx_interface!r} is not a device name (e.g. eth0, or mlx5_0:1)")
     _require(d.alignment > 0 and d.alignment & (d.alignment - 1) == 0,
              f"dram.alignment = {d.alignment} must be a power of two")
     _require(0 < d.low_watermark <= d.high_watermark <= 1,
@@ -290,6 +323,7 @@ def _validate(cfg: Config) -> None:
     for key, value in endpoints:
         _require(bool(re.fullmatch(r"(tcp://[^\s/]+:\d+|ipc://\S+|inproc://\S+)", value)),
                  f"{key} = {value!r} must be a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)")
+    _validate_exposure(r)
     _require(not e.engine_replay_endpoint or bool(e.engine_endpoint),
              "events.engine_replay_endpoint is set but events.engine_endpoint is not")
     _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", r.name)),

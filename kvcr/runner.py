@@ -16,11 +16,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+import xxhash
+
 from .config import Config
 from .drivers.nvme import DiskTier
 from .drivers.shm import Region, host_id, region_name
 from .proto.announce import Announce
-from .proto.claims import Claim, ClaimTable, Fill, Release
+from .proto.claims import Claim, ClaimError, ClaimTable, Fill, Release
 from .proto.disk_index import DiskIndex
 from .proto.events import AllBlocksCleared, Event, EventError
 from .proto.hintbook import HintBook, HintedSource
@@ -175,10 +177,30 @@ class Runner:
             return fill
 
     def commit(self, fill_id: int, ok: Sequence[bool] | None = None, *, owner: str = "local") -> int:
+        if self.cfg.page_digests:
+            self._digest_fill(fill_id, ok)
         with self.lock:
             n = self.claims.commit(fill_id, owner=owner, ok=ok)
             self._flush_events()
             return n
+
+    def _digest_fill(self, fill_id: int, ok: Sequence[bool] | None) -> None:
+        """Digest the pages a fill is about to make visible: a pull checks its bytes against it, so
+        a page changed after commit (by anything but the runner) is refused, never delivered."""
+        with self.lock:
+            try:
+                fill = self.claims.fill(fill_id)
+            except ClaimError:
+                return  # the commit itself refuses it, naming why
+            if ok is not None and len(ok) != len(fill.pages):
+                return
+            pages = [p for i, p in enumerate(fill.pages) if isinstance(p, Page) and (ok is None or ok[i])]
+        for page in pages:  # FILLING: invisible, and its writer is done with it
+            page.digest = xxhash.xxh3_64_intdigest(self.slot_view(fill.pool.name, page))
+
+    def page_digest(self, pool: str, page: Page) -> int:
+        """The page's digest from its commit, or (a runner keeping none) of its bytes now."""
+        return page.digest if page.digest is not None else xxhash.xxh3_64_intdigest(self.slot_view(pool, page))
 
     def reserve_shard(self, pool: str, keys: Sequence[str], shard: int,
                       announces: Sequence[Announce | None] | None = None, *, lease_s: float | None = None

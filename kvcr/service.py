@@ -37,7 +37,7 @@ class Service:
             from .peer import Puller
             from .proto.reach import Reachability
 
-            self.plane = UcxPlane(lanes=cfg.runner.pull_lanes)
+            self.plane = UcxPlane(lanes=cfg.runner.pull_lanes, interface=cfg.runner.ucx_interface)
             self.runner.plane = self.plane
             trusted = None if "*" in cfg.runner.peers else frozenset(cfg.runner.peers)
             self.runner.puller = Puller(self.plane, {name: lay.namespace.fields()
@@ -46,7 +46,7 @@ class Service:
                                         control_timeout_s=cfg.runner.control_timeout_s,
                                         reach=Reachability(cfg.runner.unreachable_backoff_s),
                                         trusted=trusted, curve=cfg.curve(),
-                                        verify_transfer_bytes=cfg.runner.verify_transfer_bytes,
+                                        verify_transfer_bytes=cfg.page_digests,
                                         transport=cfg.runner.transfer, copy_threads=cfg.runner.copy_threads,
                                         page_bytes={n: lay.page_bytes for n, lay in self.runner.layouts.items()})
         self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
@@ -54,7 +54,7 @@ class Service:
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
-                               info=self.info, health=self.health)
+                               info=self.public_info, health=self.health, token=cfg.runner.http_token)
         self.stopped = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)
 
@@ -107,6 +107,14 @@ class Service:
                 "relays_engine": self.relay is not None,
                 "ucx": self._ucx_info(),
                 "topic": self.cfg.events.topic, **self.runner.info()}
+
+    def public_info(self) -> dict:
+        """info() without what addresses our region (UCX worker address, region base, rkeys): for
+        HTTP, the info file and logs. Those travel only in control replies, authenticated with CURVE."""
+        info = self.info()
+        if info["ucx"] is not None:
+            info["ucx"] = {"registered_bytes": info["ucx"]["registered_bytes"]}
+        return info
 
     def _ucx_info(self) -> dict | None:
         """What a peer needs to GET our pages: worker address, region base and the packed rkeys."""

@@ -15,12 +15,15 @@ LAYOUT_PROBE = r"""
 #include <stdio.h>
 #include <ucp/api/ucp.h>
 int main(void) {
-    printf("%zu %zu %zu %zu %zu %d %d %d %d %d %d\n",
+    printf("%zu %zu %zu %zu %zu %d %d %d %d %d %d %zu %zu %d %d %d %d %zu\n",
            offsetof(ucp_mem_map_params_t, field_mask), offsetof(ucp_mem_map_params_t, address),
            offsetof(ucp_mem_map_params_t, length), sizeof(ucp_mem_map_params_t),
            sizeof(ucp_request_param_t), (int)offsetof(ucp_request_param_t, op_attr_mask),
            (int)UCP_MEM_MAP_PARAM_FIELD_ADDRESS, (int)UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-           (int)UCS_INPROGRESS, (int)UCS_ERR_LAST, UCP_API_MINOR);
+           (int)UCS_INPROGRESS, (int)UCS_ERR_LAST, UCP_API_MINOR,
+           offsetof(ucp_mem_map_params_t, flags), offsetof(ucp_mem_map_params_t, prot),
+           (int)UCP_MEM_MAP_PARAM_FIELD_PROT, (int)UCP_MEM_MAP_PROT_LOCAL_READ,
+           (int)UCP_MEM_MAP_PROT_LOCAL_WRITE, (int)UCP_MEM_MAP_PROT_REMOTE_READ, sizeof(ucs_status_t));
     return 0;
 }
 """
@@ -35,8 +38,12 @@ def test_struct_layout_and_constants_match_the_shipped_ucp_header(tmp_path):
                    check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
     (mask, address, length, params_size, request_size, op_attr, f_addr, f_len, inprogress, err_last,
-     minor) = map(int, out)
+     minor, flags, prot, f_prot, local_read, local_write, remote_read, status_size) = map(int, out)
     assert (mask, address, length) == (0, 8, 16)
+    assert (flags, prot) == (ucx_rma._MemMapParams.flags.offset, ucx_rma._MemMapParams.prot.offset)
+    assert (f_prot, local_read, local_write, remote_read) == (ucx_rma.MEM_MAP_FIELD_PROT, ucx_rma.PROT_LOCAL_READ,
+                                                              ucx_rma.PROT_LOCAL_WRITE, ucx_rma.PROT_REMOTE_READ)
+    assert status_size == ctypes.sizeof(ctypes.c_int8)  # a packed enum: statuses are read as int8
     assert ctypes.sizeof(ucx_rma._MemMapParams) >= params_size
     assert ucx_rma.REQUEST_PARAM_BYTES >= request_size and op_attr == 0
     assert (f_addr, f_len) == (ucx_rma.MEM_MAP_FIELD_ADDRESS, ucx_rma.MEM_MAP_FIELD_LENGTH)

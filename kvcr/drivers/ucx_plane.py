@@ -114,7 +114,9 @@ class RegisteredChunk:
 
 
 class UcxPlane:
-    def __init__(self, *, progress_thread: bool = True, lanes: int = 1) -> None:
+    def __init__(self, *, progress_thread: bool = True, lanes: int = 1, interface: str = "") -> None:
+        if interface:  # read when the context is created: UCX then listens and connects on it alone
+            os.environ["UCX_NET_DEVICES"] = interface
         self.context = ucx.UCXContext()
         self.worker = ucx.UCXWorker(self.context)  # serves our region to peers
         self.address = self.worker.address.tobytes()

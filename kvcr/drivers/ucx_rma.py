@@ -22,6 +22,11 @@ UCS_INPROGRESS = 1
 UCS_ERR_LAST = -100
 MEM_MAP_FIELD_ADDRESS = 1 << 0
 MEM_MAP_FIELD_LENGTH = 1 << 1
+MEM_MAP_FIELD_PROT = 1 << 3
+PROT_LOCAL_READ, PROT_LOCAL_WRITE, PROT_REMOTE_READ = 1 << 0, 1 << 1, 1 << 8
+# Peers may read our region, never write it. UCX enforces this on RDMA verbs only (TCP and shared
+# memory transports copy regardless): page digests catch what is changed anyway (docs/security.md).
+REGION_PROT = PROT_LOCAL_READ | PROT_LOCAL_WRITE | PROT_REMOTE_READ
 ALL_TAG_BITS = (1 << 64) - 1  # a tagged receive matches its tag exactly
 REQUEST_PARAM_BYTES = 256  # >= sizeof(ucp_request_param_t); op_attr_mask 0 means "read nothing else"
 
@@ -39,7 +44,7 @@ class UcxVersionError(RuntimeError):
 class _MemMapParams(ctypes.Structure):
     # Leading fields of ucp_mem_map_params_t; the rest stays zero (not in field_mask).
     _fields_ = [("field_mask", ctypes.c_uint64), ("address", ctypes.c_void_p), ("length", ctypes.c_size_t),
-                ("_rest", ctypes.c_uint8 * 64)]
+                ("flags", ctypes.c_uint), ("prot", ctypes.c_uint), ("_rest", ctypes.c_uint8 * 64)]
 
 
 def _load() -> ctypes.CDLL:
@@ -119,8 +124,8 @@ class MemoryRegistration:
 
     @classmethod
     def register(cls, context: int, address: int, length: int) -> "MemoryRegistration":
-        params = _MemMapParams(field_mask=MEM_MAP_FIELD_ADDRESS | MEM_MAP_FIELD_LENGTH, address=address,
-                               length=length)
+        params = _MemMapParams(field_mask=MEM_MAP_FIELD_ADDRESS | MEM_MAP_FIELD_LENGTH | MEM_MAP_FIELD_PROT,
+                               address=address, length=length, prot=REGION_PROT)
         memh = ctypes.c_void_p()
         status = _lib.ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh))
         if status != UCS_OK:

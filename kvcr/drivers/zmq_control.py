@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterator
 
-import xxhash
 import zmq
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
@@ -283,8 +282,7 @@ class ControlServer:
             plane, size = self.runner.plane, self.runner.layouts[msg.pool].page_bytes
             if plane is not None and not all(plane.registered(o, size) for o in offsets):
                 raise m.ProtocolError("these pages are not registered for peers yet; retry shortly", code="Busy")
-            digests = [xxhash.xxh3_64_intdigest(self.runner.slot_view(msg.pool, p)) for p in claim.pages] \
-                if msg.digests else []  # the pages are pinned: their bytes cannot change meanwhile
+            digests = [self.runner.page_digest(msg.pool, p) for p in claim.pages] if msg.digests else []
             return m.Granted(claim_id=claim.claim_id, offsets=offsets, generations=[p.generation for p in claim.pages],
                              lease_s=claim.lease_s, digests=digests,
                              announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])

@@ -49,7 +49,7 @@ IN_FLIGHT = InFlight()
 
 
 class Page:
-    __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce")
+    __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce", "digest")
 
     def __init__(self, key: str, slot: int, generation: int, announce: Announce | None) -> None:
         self.key = key
@@ -58,6 +58,7 @@ class Page:
         self.generation = generation
         self.num_claims = 0
         self.announce = announce
+        self.digest: int | None = None  # xxh3-64 of the bytes at commit, when the runner keeps digests
 
 
 @dataclass(frozen=True, slots=True)

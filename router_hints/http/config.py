@@ -24,6 +24,7 @@ class WorkerEntry:
     runner: str         # its runner's info endpoint (http:// or tcp:// control); "" = from the engine's /server_info
     role: str = "aggregated"
     engine: str = "kvcr-worker"  # "sglang": its runner must be named (`runner`), /server_info lacks it
+    runner_token: str = ""       # the runner's runner.http_token, when `runner` is its http:// endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (i
                "model": (str, "kvcr"), "request_timeout_s": (float, 600.0), "attach_hints": (bool, True),
                "post_hints": (bool, True)}
 WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
-               "engine": (str, "kvcr-worker")}
+               "engine": (str, "kvcr-worker"), "runner_token": (str, "")}
 COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
 
 

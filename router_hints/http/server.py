@@ -95,7 +95,7 @@ class Router:
 
     async def _runner_info(self, entry: WorkerEntry) -> dict:
         if entry.runner:
-            return await asyncio.to_thread(fetch_info, entry.runner)
+            return await asyncio.to_thread(fetch_info, entry.runner, token=entry.runner_token)
         async with self.session.get(entry.url.rstrip("/") + "/server_info") as resp:
             resp.raise_for_status()
             info = await resp.json()

@@ -1,0 +1,128 @@
+"""The trust model, surface by surface: what an unauthenticated client gets (nothing that addresses
+the region), which exposures a runner refuses to start with, and a page changed behind the
+runner's back after its commit, which a pull in security mode never delivers."""
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+
+from kvcr.client import AttachedWriter, ControlClient
+from kvcr.config import ConfigError, CurveKeys, load_config
+from kvcr.proto import messages as m
+from tests.conftest import wait_until
+from tests.test_service import pages_for
+
+PAGE = 64 * 1024
+POOLS = [{"name": "kv", "page_bytes": PAGE}]
+TOKEN = "t0ken-for-the-tests-only"
+SECRETS = ("address", "rkeys", "region_base")
+
+
+@pytest.fixture(scope="module")
+def curve_pair():
+    public, secret = (k.decode() for k in zmq.curve_keypair())
+    return {"runner.curve_public_key": public, "runner.curve_secret_key": secret}, \
+        CurveKeys(public.encode(), secret.encode(), frozenset())
+
+
+def http_get(url: str, token: str = "") -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_http_info_and_the_info_file_never_hand_out_what_addresses_the_region(runner_factory):
+    a = runner_factory("a", **{"dram.pools": POOLS})
+    info = a.start()
+    with ControlClient(info["endpoints"]["control"]) as client:  # loopback, no CURVE: a local client
+        wait_until(lambda: client.info()["ucx"]["rkeys"], 10, 0.05, "UCX registration")
+    status, body = http_get(info["endpoints"]["http"] + "/info")
+    served = json.loads(body)
+    assert status == 200 and served["ucx"]["registered_bytes"] > 0
+    assert not set(SECRETS) & set(served["ucx"]) and not set(SECRETS) & set(info["ucx"])
+
+
+def test_with_a_token_info_answers_only_its_bearer_and_metrics_stay_open(runner_factory):
+    a = runner_factory("a", **{"dram.pools": POOLS, "runner.http_token": TOKEN})
+    http = a.start()["endpoints"]["http"]
+    for token in ("", "wrong-token-of-some-length"):
+        status, body = http_get(http + "/info", token)
+        assert status == 401 and b"runner.http_token" in body
+    status, body = http_get(http + "/info", TOKEN)
+    assert status == 200 and json.loads(body)["name"] == "a"
+    assert http_get(http + "/healthz")[0] == 200
+    status, body = http_get(http + "/metrics")
+    assert status == 200 and b"kvcr_ucx_workers_retired" in body
+
+
+@pytest.mark.parametrize("keys, problem", [
+    ({"runner": {"control_endpoint": "tcp://0.0.0.0:5600"}}, "runner.control_endpoint = 'tcp://0.0.0.0:5600' is reachable"),
+    ({"runner": {"control_endpoint": "tcp://worker0:5600"}}, "set runner.curve_public_key"),
+    ({"runner": {"http_host": "0.0.0.0"}}, "runner.http_host = '0.0.0.0' is reachable from other hosts"),
+    ({"runner": {"http_host": "10.0.0.2", "http_token": "short"}}, "at least 16 characters"),
+    ({"runner": {"ucx_interface": "eth0; rm"}}, "runner.ucx_interface = 'eth0; rm' is not a device name"),
+])
+def test_a_runner_reachable_from_other_hosts_without_keys_is_refused_by_name(tmp_path, keys, problem):
+    path = tmp_path / "kvcr.json"
+    path.write_text(json.dumps(keys))
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace("[", r"\[")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("keys", [
+    {"runner": {"control_endpoint": "tcp://0.0.0.0:5600", "insecure": True, "http_host": "0.0.0.0"}},
+    {"runner": {"control_endpoint": "tcp://10.0.0.2:5600", "http_host": "10.0.0.2", "http_token": TOKEN,
+                "curve_public_key": "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7",
+                "curve_secret_key": "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6"}},
+    {"runner": {"control_endpoint": "ipc:///tmp/kvcr-control", "http_host": "localhost"}},
+])
+def test_keys_a_token_or_a_named_insecure_switch_let_it_start(tmp_path, keys):
+    path = tmp_path / "kvcr.json"
+    path.write_text(json.dumps(keys))
+    load_config(path)
+
+
+def _put(info, curve, n, seed):
+    keys, ann, data = pages_for(n, seed=seed, page_bytes=PAGE)
+    with ControlClient(info["endpoints"]["control"], curve=curve) as client:
+        wait_until(lambda: client.info()["ucx"]["rkeys"], 10, 0.05, "UCX registration")
+        writer = AttachedWriter(client)
+        writer.put("kv", keys, data, ann)
+        writer.close()
+    return keys, data
+
+
+def test_a_page_overwritten_after_its_commit_is_never_pulled_by_a_secured_peer(runner_factory, curve_pair):
+    """A stray writer changes a committed page before anyone claims it (the same bytes a UCX PUT
+    would change: TCP and shared-memory transports ignore the region's read-only registration).
+    The source's claim answers with the digest taken at commit, and the secured puller stops the
+    run before that page."""
+    from kvcr.drivers.shm import Region
+
+    keys_cfg, curve = curve_pair
+    a = runner_factory("a", **{"dram.pools": POOLS, **keys_cfg})
+    b = runner_factory("b", **{"dram.pools": POOLS, "runner.peers": ["*"], **keys_cfg})
+    ai, bi = a.start(), b.start()
+    keys, data = _put(ai, curve, 6, seed=21)
+    with ControlClient(ai["endpoints"]["control"], curve=curve) as client:
+        offsets = client.request(m.ClaimRequest(pool="kv", keys=keys, lease_s=1.0)).offsets
+    region = Region.attach(ai["shm_path"])
+    view = region.view
+    view[offsets[3] + 100:offsets[3] + 108] = b"attacker"  # page 3, after its commit, behind the runner's back
+    view.release()
+    region.close()
+    with ControlClient(bi["endpoints"]["control"], curve=curve, timeout_s=30) as client:
+        assert client.request(m.Pull(source_endpoint=ai["endpoints"]["control"], pool="kv", keys=keys)).num_local == 3
+        writer = AttachedWriter(client)
+        try:
+            assert writer.get("kv", keys) == data[:3]
+        finally:
+            writer.close()
+    status, body = http_get(bi["endpoints"]["http"] + "/metrics")
+    assert b"kvcr_pull_digest_mismatches_total 1.0" in body
