@@ -28,11 +28,11 @@ VECTORS = json.loads((ROOT.parent / "shared" / "reference" / "hash-vectors.json"
 class RunnerProcess(Child):
     """A real `kvcr serve` child process, discovered through its info file (never its stdout)."""
 
-    def __init__(self, tmp: Path, name: str, overrides: dict) -> None:
+    def __init__(self, tmp: Path, name: str, overrides: dict, *, env: dict | None = None, wrap=()) -> None:
         defaults = {"runner.name": name, "runner.state_dir": str(tmp / f"{name}.state"), "dram.size": "32Mi"}
         sets = [arg for key, value in {**defaults, **overrides}.items()
                 for arg in ("--set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}")]
-        super().__init__(tmp, name, ["serve", *sets], cwd=ROOT)
+        super().__init__(tmp, name, ["serve", *sets], env=env, cwd=ROOT, wrap=wrap)
 
     def start(self, timeout_s: float = 30.0) -> dict:
         return super().start().wait_ready(timeout_s)

@@ -337,3 +337,39 @@ def test_a_salted_request_is_matched_in_its_own_cache_namespace(tmp_path):
         assert status == 200 and all(sum(row["overlap"].values()) == 0 for row in view["workers"])
     assert s5 == 400 and "cache_salt must be a string" in listed["error"]["message"]
     assert s6 == 400 and "cache_salt must be a string" in generated["error"]["message"]
+
+
+OPERATOR = "operator-token-for-tests"
+
+
+@pytest.mark.parametrize("router_keys, headers, status", [
+    ({}, {}, 200),                                                    # loopback, no token: the local operator
+    ({"host": "0.0.0.0"}, {}, 403),                                   # reachable from other hosts: needs a token
+    ({"operator_token": OPERATOR}, {}, 403),
+    ({"operator_token": OPERATOR}, {"Authorization": "Bearer nope"}, 403),
+    ({"operator_token": OPERATOR}, {"Authorization": f"Bearer {OPERATOR}"}, 200),
+])
+def test_pinning_a_worker_and_the_index_view_need_the_operator(router_keys, headers, status):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from router_hints.discovery import Publisher
+    from router_hints.http.server import Router
+
+    cfg = parse_router_config({"router": router_keys, "workers": [{"name": "w0", "url": "http://127.0.0.1:1"}]})
+    router = Router(cfg)
+    router.core.add(Publisher("w0", 0, 16, "tcp://127.0.0.1:9", None, None))  # nobody serves it: not needed
+    router.entries[("w0", 0)] = cfg.workers[0]
+
+    async def ask() -> list:
+        async with TestClient(TestServer(router.app())) as client:
+            index = await client.post("/debug/index", json={"text": "x"}, headers=headers)
+            pinned = await client.post("/generate", json={"text": "x"}, headers={**headers, "X-KVCR-Target": "nope"})
+            return [(index.status, await index.json()), (pinned.status, await pinned.json())]
+
+    try:
+        (s_index, index), (s_pinned, pinned) = asyncio.run(ask())
+    finally:
+        asyncio.run(router.close())
+    assert s_index == status and (status == 200 or "operator" in index["error"]["message"])
+    # Allowed, the pin is judged on its merits (no such worker); refused, it never reaches routing.
+    assert (s_pinned, "names no worker" in pinned["error"]["message"]) == ((400, True) if status == 200 else (403, False))

@@ -8,16 +8,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 
 class Child:
     def __init__(self, run_dir: Path, name: str, args: list[str], env: dict | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, wrap: Sequence[str] = ()) -> None:
+        """`wrap` prefixes the command (e.g. nsenter into a test host); it must exec, not fork."""
         self.name = name
         self.cwd = cwd
         self.info_file = run_dir / f"{name}.info.json"
         self.log_path = run_dir / f"{name}.log"
-        self.args = [sys.executable, "-m", "kvcr.cli", *args, "--info-file", str(self.info_file)]
+        self.args = [*wrap, sys.executable, "-m", "kvcr.cli", *args, "--info-file", str(self.info_file)]
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}

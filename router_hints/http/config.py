@@ -37,6 +37,7 @@ class RouterConfig:
     request_timeout_s: float
     attach_hints: bool
     post_hints: bool
+    operator_token: str  # X-KVCR-Target and /debug/index need `Authorization: Bearer <it>` ("": loopback only)
     cost: CostModel
     workers: tuple[WorkerEntry, ...]
 
@@ -61,7 +62,7 @@ def _section(raw: Any, key: str, spec: dict[str, tuple[type, Any]]) -> dict:
 
 ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (int, 16), "tokenizer": (str, ""),
                "model": (str, "kvcr"), "request_timeout_s": (float, 600.0), "attach_hints": (bool, True),
-               "post_hints": (bool, True)}
+               "post_hints": (bool, True), "operator_token": (str, "")}
 WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
                "engine": (str, "kvcr-worker"), "runner_token": (str, "")}
 COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
@@ -101,6 +102,8 @@ def parse_router_config(raw: dict) -> RouterConfig:
         raise RouterConfigError(f"router.block_size = {r['block_size']} must be >= 1")
     if not 0 <= r["port"] < 65536:
         raise RouterConfigError(f"router.port = {r['port']} is not a port")
+    if r["operator_token"] and len(r["operator_token"]) < 16:
+        raise RouterConfigError("router.operator_token must be at least 16 characters")
     return RouterConfig(**r, cost=cost, workers=entries)
 
 

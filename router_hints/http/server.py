@@ -4,6 +4,7 @@ load, name a peer to pull the rest from, and forward the request unchanged but f
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -187,8 +188,22 @@ class Router:
             raise RequestError("the request body must be a JSON object")
         return body
 
+    def operator_refusal(self, request: web.Request) -> str:
+        """Why an operator-only request (a pinned target, the index view) is refused; "" if allowed.
+        Without router.operator_token only a router bound to loopback serves them."""
+        token = self.cfg.operator_token
+        if not token:
+            return "" if self.cfg.host in ("127.0.0.1", "localhost", "::1") else \
+                "this needs router.operator_token: the router is reachable from other hosts"
+        given = request.headers.get("Authorization", "").encode()
+        return "" if hmac.compare_digest(given, f"Bearer {token}".encode()) else \
+            "this needs the operator token: Authorization: Bearer <router.operator_token>"
+
     def _handler(self, route: str):
         async def handle(request: web.Request) -> web.StreamResponse:
+            refusal = self.operator_refusal(request) if "X-KVCR-Target" in request.headers else ""
+            if refusal:
+                return web.json_response({"error": {"message": f"X-KVCR-Target: {refusal}"}}, status=403)
             try:
                 body, removed = front.strip_client_hints(await self._body(request))
                 tokens = request_tokens(body, route, self.tokenizer)
@@ -268,6 +283,9 @@ class Router:
             self.metrics.overlap.labels(tier).inc(n)
 
     async def debug_index(self, request: web.Request) -> web.Response:
+        refusal = self.operator_refusal(request)
+        if refusal:
+            return web.json_response({"error": {"message": f"/debug/index: {refusal}"}}, status=403)
         route = request.query.get("route", "generate")
         if route not in PATHS:
             return web.json_response({"error": {"message": f"route must be one of {sorted(PATHS)}"}}, status=400)

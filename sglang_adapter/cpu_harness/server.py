@@ -24,19 +24,25 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disabl
 
 
 # Ports an engine binds only once it is up (tens of seconds later) are drawn below Linux's
-# ephemeral range (32768-60999), where the OS hands out ports to everyone else meanwhile.
-PORTS = range(20000, 32000)
+# ephemeral range (32768-60999), where the OS hands out ports to everyone else meanwhile, and
+# above 22000-29999, where SGLang draws the ports its own children bind later (nccl_port): one
+# such draw took a runner's control port in a full run. Never the same port twice per process.
+PORTS = range(30000, 32700)
 _rng = random.Random()
+_given: set[int] = set()
 
 
 def free_port() -> int:
     for _ in range(200):
         port = _rng.choice(PORTS)
+        if port in _given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _given.add(port)
             return port
     raise RuntimeError(f"no free port in {PORTS}")
 

@@ -1,0 +1,126 @@
+"""Test hosts: network namespaces joined by veth pairs on a bridge, each really apart.
+
+Each host has its own network stack (`eth0`, an address on 10.77.0.0/24), its own /dev/shm
+(a tmpfs in a private mount namespace), its own hostname and its own boot id (bind-mounted over
+/proc/sys/kernel/random/boot_id), so neither kvcr's same-host copy nor UCX shared memory can be
+chosen between them. The bridge lives in the test's own namespace with 10.77.0.254, so the test
+process reaches every host as an outside client would. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BRIDGE = "kvcrbr0"
+SUBNET = "10.77.0"
+GATEWAY = f"{SUBNET}.254"
+# A host's mount and UTS namespace, held open by one sleeping process: its own /dev/shm, boot id
+# and name, shared by every process started on the host.
+HOLD = ('mount -t tmpfs -o size=512m tmpfs /dev/shm && mount --bind "$1" /proc/sys/kernel/random/boot_id '
+        '&& hostname "$2" && echo ready && exec sleep infinity')
+
+
+def unavailable() -> str:
+    """Why test hosts cannot be made here ("" if they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
+    return f"missing {', '.join(missing)}" if missing else ""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@dataclass
+class TestHost:
+    name: str
+    index: int
+    state_dir: Path
+    holder: subprocess.Popen | None = None
+
+    @property
+    def ns(self) -> str:
+        return f"kvcr-{self.name}"
+
+    @property
+    def address(self) -> str:
+        return f"{SUBNET}.{self.index + 1}"
+
+    @property
+    def boot_id_file(self) -> Path:
+        return self.state_dir / f"{self.name}.boot_id"
+
+    def wrap(self) -> list[str]:
+        """The command prefix that runs a program on this host."""
+        return ["nsenter", "-t", str(self.holder.pid), "--net", "--mount", "--uts", f"--wd={REPO}", "--"]
+
+    def sh(self, command: str, check: bool = True) -> str:
+        """A shell command on this host."""
+        return subprocess.run([*self.wrap(), "sh", "-c", command], capture_output=True, text=True,
+                              check=check).stdout
+
+    def kill_everything(self) -> None:
+        """Every process of the host dies at once (its power cut); the host itself stays down."""
+        for pid in subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split():
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+        if self.holder is not None:
+            self.holder.wait(5)
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """(received, sent) on eth0."""
+        out = self.sh("cat /sys/class/net/eth0/statistics/rx_bytes /sys/class/net/eth0/statistics/tx_bytes")
+        rx, tx = map(int, out.split())
+        return rx, tx
+
+    def link(self, up: bool) -> None:
+        self.sh(f"ip link set eth0 {'up' if up else 'down'}")
+
+    def shape(self, rate: str = "") -> None:
+        """Limit what this host sends to `rate` (tc tbf, e.g. "16mbit"); "" lifts the limit. (This
+        machine's kernel has no sch_netem, so delay, loss and reordering cannot be made here.)"""
+        self.sh("tc qdisc del dev eth0 root", check=False)
+        if rate:
+            self.sh(f"tc qdisc add dev eth0 root tbf rate {rate} burst 64kb latency 2s")
+
+    def create(self) -> None:
+        self.boot_id_file.write_text(str(uuid.uuid4()) + "\n")
+        veth, peer = f"kv{self.index}h", f"kv{self.index}b"
+        _ip("netns", "add", self.ns)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+        _ip("link", "set", peer, "master", BRIDGE, "up")
+        _ip("link", "set", veth, "netns", self.ns)
+        self.holder = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "--mount", "--uts", "--propagation",
+                                        "private", "sh", "-c", HOLD, "sh", str(self.boot_id_file), self.name],
+                                       stdout=subprocess.PIPE, text=True)
+        if self.holder.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"test host {self.name}: its namespaces could not be set up")
+        self.sh(f"ip link set {veth} name eth0 && ip addr add {self.address}/24 dev eth0 && ip link set eth0 up "
+                f"&& ip link set lo up && ip route add default via {GATEWAY}")
+
+    def destroy(self) -> None:
+        self.kill_everything()
+        _ip("netns", "del", self.ns, check=False)  # its veth end goes with it, and so the bridge's
+
+
+def make_hosts(n: int, state_dir: Path) -> list[TestHost]:
+    destroy_hosts(n)  # leftovers of an interrupted run
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
+    _ip("link", "set", BRIDGE, "up")
+    hosts = [TestHost(f"h{i + 1}", i, state_dir) for i in range(n)]
+    for host in hosts:
+        host.create()
+    return hosts
+
+
+def destroy_hosts(n: int) -> None:
+    for i in range(n):
+        TestHost(f"h{i + 1}", i, Path("/")).destroy()
+    _ip("link", "del", BRIDGE, check=False)
