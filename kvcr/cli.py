@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from . import __version__
+from .config import CurveKeys
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -46,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "") -> dict:
+def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "", curve: CurveKeys | None = None) -> dict:
     """A runner's info, from its control socket (tcp://, ipc://) or its HTTP endpoint (`token`:
     its runner.http_token). Only the control socket's answer holds what a peer pulls with."""
     if endpoint.startswith(("http://", "https://")):
@@ -56,7 +57,7 @@ def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "") -> dic
             return json.load(resp)
     from .client import ControlClient
 
-    with ControlClient(endpoint, timeout_s=timeout_s) as client:
+    with ControlClient(endpoint, timeout_s=timeout_s, curve=curve) as client:
         return client.info()
 
 
@@ -64,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     try:
         print(json.dumps(fetch_info(args.endpoint, args.timeout, token=os.environ.get("KVCR_HTTP_TOKEN", "")),
                          indent=2))
-    except (TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError, ValueError) as exc:  # ValueError: a bad key in the environment
         print(f"kvcr info: {args.endpoint}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -30,8 +30,10 @@ class ControlError(RuntimeError):
 class ControlClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
                  curve: CurveKeys | None = None) -> None:
+        """`curve`: the deployment keypair; None takes it from the environment (CurveKeys.from_env),
+        so the router and every CLI command speak CURVE where it is set."""
         self.endpoint = endpoint
-        self.curve = curve
+        self.curve = curve if curve is not None else CurveKeys.from_env()
         self.timeout_ms = int(timeout_s * 1000)
         self.incarnation = uuid.uuid4().hex[:16]
         self._ctx = ctx or zmq.Context.instance()

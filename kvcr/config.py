@@ -6,6 +6,7 @@ Every error names the key and the value it got. Sizes accept "64Ki", "8Gi", "1.5
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -198,6 +199,20 @@ class CurveKeys:
     public: bytes
     secret: bytes
     allowed: frozenset[bytes]
+
+    @classmethod
+    def from_env(cls) -> "CurveKeys | None":
+        """A client's deployment keypair from KVCR_CURVE_PUBLIC_KEY / KVCR_CURVE_SECRET_KEY (the
+        router, the CLI): None when neither is set."""
+        public, secret = os.environ.get(ENV_PUBLIC, ""), os.environ.get(ENV_SECRET, "")
+        if not public and not secret:
+            return None
+        for name, value in ((ENV_PUBLIC, public), (ENV_SECRET, secret)):
+            _require(len(value) == 40, f"{name} must be a 40-character Z85 CURVE key (set both or neither)")
+        return cls(public.encode(), secret.encode(), frozenset())
+
+
+ENV_PUBLIC, ENV_SECRET = "KVCR_CURVE_PUBLIC_KEY", "KVCR_CURVE_SECRET_KEY"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,6 +9,7 @@ import time
 
 from kvcr.cli import fetch_info
 from kvcr.client import ControlClient, ControlError
+from kvcr.config import CurveKeys
 from kvcr.proto.events import EventBatch
 from kvcr.proto.peer_inventory import PeerInventory
 from router_hints.subscriber import Delivery, Notice, Subscriber
@@ -18,8 +19,9 @@ RETRY_S = 2.0
 
 
 class PeerFeed:
-    def __init__(self, endpoints: list[str], own_control: str) -> None:
+    def __init__(self, endpoints: list[str], own_control: str, curve: CurveKeys | None = None) -> None:
         self.own = own_control
+        self.curve = curve  # our runner's keys: its peers share them
         self.inventory = PeerInventory()
         self.lock = threading.Lock()
         self._waiting = list(endpoints)   # info endpoints not reached yet
@@ -40,7 +42,7 @@ class PeerFeed:
     def _discover(self) -> None:
         for endpoint in list(self._waiting):
             try:
-                ep = fetch_info(endpoint, timeout_s=2.0)["endpoints"]
+                ep = fetch_info(endpoint, timeout_s=2.0, curve=self.curve)["endpoints"]
                 control, events, replay = ep["control"], ep["events"], ep.get("replay")
             except Exception as exc:  # unreachable yet, or an answer that is not a runner's info
                 log.debug("peer %s not usable yet: %s", endpoint, exc)
@@ -52,7 +54,7 @@ class PeerFeed:
 
     def _snapshot(self, control: str) -> None:
         try:
-            with ControlClient(control, timeout_s=5.0) as client:
+            with ControlClient(control, timeout_s=5.0, curve=self.curve) as client:
                 seq, events = client.snapshot()
         except (TimeoutError, ControlError, OSError) as exc:
             log.info("snapshot of peer %s failed (retried in %.0f s): %s", control, RETRY_S, exc)

@@ -131,7 +131,8 @@ class KVCRStorage(HiCacheStorage):
                 if self.service.runner.puller is not None:  # claims we take outlive an uncollected prefetch
                     self.service.runner.puller.lease_s = self.cfg.claim_lease_s
                 if self.cfg.peers and self.cfg.opportunistic:
-                    self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint).start()
+                    self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint,
+                                              self.service.cfg.curve()).start()
             return self.service
 
     def _runner_config(self):

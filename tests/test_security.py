@@ -126,3 +126,26 @@ def test_a_page_overwritten_after_its_commit_is_never_pulled_by_a_secured_peer(r
             writer.close()
     status, body = http_get(bi["endpoints"]["http"] + "/metrics")
     assert b"kvcr_pull_digest_mismatches_total 1.0" in body
+
+
+def test_the_cli_speaks_curve_with_the_deployment_keys_from_its_environment(runner_factory, curve_pair):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    keys_cfg, _ = curve_pair
+    info = runner_factory("a", **{"dram.pools": POOLS, **keys_cfg}).start()
+
+    def kvcr_info(**env):
+        return subprocess.run([sys.executable, "-m", "kvcr.cli", "info", info["endpoints"]["control"], "--timeout", "1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+    keyless = kvcr_info()
+    assert keyless.returncode == 1 and "no reply" in keyless.stderr
+    keyed = kvcr_info(KVCR_CURVE_PUBLIC_KEY=keys_cfg["runner.curve_public_key"],
+                      KVCR_CURVE_SECRET_KEY=keys_cfg["runner.curve_secret_key"])
+    assert keyed.returncode == 0 and json.loads(keyed.stdout)["name"] == "a"
+    broken = kvcr_info(KVCR_CURVE_PUBLIC_KEY="short")
+    assert broken.returncode == 1 and "Traceback" not in broken.stderr and "KVCR_CURVE_PUBLIC_KEY must be a 40-character Z85 CURVE key" in broken.stderr
