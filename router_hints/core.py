@@ -10,11 +10,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvcr.proto.events import EventBatch
 
 from .discovery import Publisher
 from .index import InventoryIndex, Overlap, Worker
+from .liveness import Liveness
 from .scoring import Choice, CostModel, Load, choose, choose_source
 from .subscriber import Delivery, Notice, Subscriber
 
@@ -32,8 +34,11 @@ class RouterCore:
     block_size: int
     model: CostModel = field(default_factory=CostModel)
     rng: random.Random = field(default_factory=random.Random)
+    dead_after_s: float = 0.0  # a kvcr runner's stream silent this long: the worker is dead (0: never)
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
+        self.liveness = Liveness(self.dead_after_s)
         self.index = InventoryIndex(block_size=self.block_size)
         self.subscriber = Subscriber(on_unrepaired=self._lost)
         self.publishers: dict[Worker, Publisher] = {}
@@ -46,6 +51,8 @@ class RouterCore:
         worker = (publisher.worker_id, publisher.dp_rank)
         self.publishers[worker] = publisher
         self.subscriber.add(f"{publisher.worker_id}:{publisher.dp_rank}", publisher.events, publisher.replay)
+        if publisher.control:  # a kvcr runner: it heartbeats, so silence means it is gone
+            self.liveness.watch(worker, self.clock())
 
     def remove(self, worker_id: str) -> None:
         """A worker that left: no longer a candidate, its blocks forgotten."""
@@ -53,7 +60,12 @@ class RouterCore:
             del self.publishers[worker]
             self.loads.pop(worker, None)
             self.subscriber.remove(f"{worker[0]}:{worker[1]}")
+            self.liveness.forget(worker)
+            self.needs_snapshot.discard(worker)
         self.index.remove_worker(worker_id)
+
+    def alive(self) -> list[Worker]:
+        return sorted(w for w in self.publishers if not self.liveness.is_dead(w))
 
     def _lost(self, name: str) -> None:
         # Replay could not repair a gap: forget the worker rather than trust a stale view; a kvcr
@@ -80,10 +92,14 @@ class RouterCore:
                 self.index.clear((worker_id, int(dp)))
             elif isinstance(item, Delivery):
                 worker_id, dp = item.publisher.rsplit(":", 1)
+                if self.liveness.heard((worker_id, int(dp)), self.clock()):
+                    self.needs_snapshot.add((worker_id, int(dp)))  # back: what it holds now is in its snapshot
                 self.index.apply(worker_id, item.batch, int(dp))
                 if not item.replayed:
                     self.event_lag_s = max(0.0, time.time() - item.batch.ts)
                 n += 1
+        for worker in self.liveness.expire(self.clock()):
+            self.index.clear(worker)  # gone: its pages are no reason to send anything there
         self.num_batches += n
         return n
 
@@ -93,15 +109,17 @@ class RouterCore:
         still gets the hint, so the pinned worker pulls what a peer holds."""
         seq = self.index.sequence_hashes(tokens, lora_name=lora_name, cache_salt=cache_salt)
         overlaps = self.index.overlaps(seq)
-        candidates = sorted(self.publishers)
+        candidates = self.alive()
         if not candidates:
-            raise LookupError("no workers to route to: add publishers first")
-        if pinned is not None and pinned not in self.publishers:
-            raise LookupError(f"pinned worker {pinned} is not a known worker")
+            raise LookupError("no workers to route to: add publishers first" if not self.publishers else
+                              f"every worker is down: {sorted(self.liveness.dead)}")
+        if pinned is not None and pinned not in candidates:
+            raise LookupError(f"pinned worker {pinned} is not a known worker" if pinned not in self.publishers
+                              else f"pinned worker {pinned} is down (its events stopped)")
         choice = choose(self.model, candidates, overlaps, self.loads, max(1, len(seq)), self.block_size, self.rng)
         if pinned is not None:
             choice = Choice(pinned, choice.costs[pinned], overlaps.get(pinned, Overlap()), choice.costs)
-        endpoints = {w: p.control for w, p in self.publishers.items() if p.control}
+        endpoints = {w: p.control for w, p in self.publishers.items() if p.control and w in candidates}
         roles = {w: p.role for w, p in self.publishers.items()}
         hint = choose_source(self.index, choice.worker, seq, overlaps, endpoints, roles)
         return Route(choice, hint, len(seq), overlaps)

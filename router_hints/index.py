@@ -132,7 +132,9 @@ class InventoryIndex:
         empty = _Held(0)
         for seq in state.held:
             self._set_bits(worker, seq, empty)
-        self._free_bits.append(self._bits.pop(worker))  # its bit is clear everywhere: reuse it
+        bit = self._bits.pop(worker, None)  # none yet if it never held a block
+        if bit is not None:
+            self._free_bits.append(bit)  # clear everywhere now: reuse it
 
     def _set_bits(self, worker: Worker, seq: int, held: _Held) -> None:
         bit = self._bits.get(worker)

@@ -373,3 +373,64 @@ def test_pinning_a_worker_and_the_index_view_need_the_operator(router_keys, head
     assert s_index == status and (status == 200 or "operator" in index["error"]["message"])
     # Allowed, the pin is judged on its merits (no such worker); refused, it never reaches routing.
     assert (s_pinned, "names no worker" in pinned["error"]["message"]) == ((400, True) if status == 200 else (403, False))
+
+
+@pytest.mark.parametrize("events, expected", [
+    ([("heard", "a", 0.5), ("expire", None, 1.9)], {"dead": set(), "revived": []}),
+    ([("expire", None, 2.0)], {"dead": {"a", "b"}, "revived": []}),
+    ([("heard", "a", 1.0), ("expire", None, 2.5)], {"dead": {"b"}, "revived": []}),
+    ([("expire", None, 2.0), ("heard", "b", 2.1)], {"dead": {"a"}, "revived": ["b"]}),
+    ([("forget", "a", 0.0), ("expire", None, 9.0)], {"dead": {"b"}, "revived": []}),
+])
+def test_a_worker_is_dead_once_its_stream_is_silent_for_dead_after_s_and_revived_by_a_batch(events, expected):
+    from router_hints.liveness import Liveness
+
+    live = Liveness(dead_after_s=2.0)
+    for w in ("a", "b"):
+        live.watch((w, 0), now=0.0)
+    revived = []
+    for kind, worker, now in events:
+        if kind == "heard" and live.heard((worker, 0), now):
+            revived.append(worker)
+        elif kind == "expire":
+            live.expire(now)
+        elif kind == "forget":
+            live.forget((worker, 0))
+    assert {w for w, _ in live.dead} == expected["dead"] and revived == expected["revived"]
+
+
+def test_a_silent_worker_is_dropped_from_routing_and_back_when_it_speaks_and_the_operator_edits_membership(tmp_path):
+    import signal as sig
+
+    workers = [worker(tmp_path, f"m{i}").start() for i in range(2)]
+    for w in workers:
+        w.wait_ready()
+    front = router(tmp_path, workers, dead_after_s=2.0).start()
+    try:
+        front.wait_ready()
+        text = "Pages only m1 holds: while m1 is silent the router must not send them there. " * 4
+        assert generate(front.url, text, headers={"X-KVCR-Target": "m1"})[0] == "m1"
+        overlap_at = lambda: {r["worker"]: r["overlap"]["host"] for r in
+                              json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
+        wait_until(lambda: overlap_at().get("m1", 0) > 0, 10, 0.05, "m1's pages indexed")
+        alive = lambda: {w["name"]: w["alive"] for w in json.loads(http(front.url + "/workers")[2])}
+        workers[1].send_signal(sig.SIGSTOP)  # heartbeats stop; its sockets stay open
+        try:
+            wait_until(lambda: alive() == {"m0": True, "m1": False}, 2.0 + 5, 0.1, "m1 declared down")
+            assert set(overlap_at()) == {"m0"} and generate(front.url, text)[0] == "m0"
+            status, _, body = http(front.url + "/generate", {"text": text}, headers={"X-KVCR-Target": "m1"})
+            assert status == 503 and "is down" in json.loads(body)["error"]["message"]
+        finally:
+            workers[1].send_signal(sig.SIGCONT)
+        wait_until(lambda: alive() == {"m0": True, "m1": True}, 10, 0.1, "m1 back")
+        wait_until(lambda: overlap_at().get("m1", 0) > 0, 10, 0.1, "m1's pages reloaded from its snapshot")
+        # The operator takes m1 out, then puts it back, at run time.
+        status, _, _ = http(front.url + "/admin/workers/m1", method="DELETE")
+        assert status == 200 and alive() == {"m0": True}
+        entry = {"name": "m1", "url": workers[1].url}
+        assert http(front.url + "/admin/workers", entry)[0] == 200 and alive() == {"m0": True, "m1": True}
+        assert http(front.url + "/admin/workers", entry)[0] == 409
+        assert http(front.url + "/admin/workers", {"url": workers[1].url})[0] == 400
+    finally:
+        for p in [front, *workers]:
+            p.stop()

@@ -174,3 +174,15 @@ def test_vllm_salt_in_extra_keys_namespaces_the_block():
 
 def test_numeric_worker_ids_tie_break_numerically():
     assert choose(CostModel(), [("10", 0), ("9", 0)], {}, {}, 4, BLOCK).worker == ("9", 0)
+
+
+@pytest.mark.parametrize("batches", [[()], [(), ()], [(AllBlocksCleared(),)]])
+def test_a_worker_that_only_heartbeat_can_be_cleared_again_and_again(batches):
+    """A worker whose stream brought no block yet (heartbeats only) is known but holds no bit: a
+    clear (its death, its snapshot) must not fail; this once stopped the router following events."""
+    index = InventoryIndex(block_size=16)
+    for events in batches:
+        index.apply("w", EventBatch(ts=time.time(), events=events))
+    index.clear(("w", 0))
+    index.clear(("w", 0))
+    assert index.num_blocks() == 0

@@ -7,10 +7,11 @@ import urllib.error
 import urllib.request
 
 
-def http(url: str, body: dict | bytes | None = None, headers: dict | None = None, timeout_s: float = 120.0
-         ) -> tuple[int, dict, bytes]:
+def http(url: str, body: dict | bytes | None = None, headers: dict | None = None, timeout_s: float = 120.0,
+         method: str | None = None) -> tuple[int, dict, bytes]:
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, dict(resp.headers), resp.read()

@@ -37,7 +37,8 @@ class RouterConfig:
     request_timeout_s: float
     attach_hints: bool
     post_hints: bool
-    operator_token: str  # X-KVCR-Target and /debug/index need `Authorization: Bearer <it>` ("": loopback only)
+    operator_token: str  # X-KVCR-Target, /debug/index, /admin need `Authorization: Bearer <it>` ("": loopback only)
+    dead_after_s: float  # a runner's event stream silent this long: the worker is down (0: never)
     cost: CostModel
     workers: tuple[WorkerEntry, ...]
 
@@ -62,14 +63,14 @@ def _section(raw: Any, key: str, spec: dict[str, tuple[type, Any]]) -> dict:
 
 ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (int, 16), "tokenizer": (str, ""),
                "model": (str, "kvcr"), "request_timeout_s": (float, 600.0), "attach_hints": (bool, True),
-               "post_hints": (bool, True), "operator_token": (str, "")}
+               "post_hints": (bool, True), "operator_token": (str, ""), "dead_after_s": (float, 5.0)}
 WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
                "engine": (str, "kvcr-worker"), "runner_token": (str, "")}
 COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
 
 
-def _worker(i: int, raw: Any) -> WorkerEntry:
-    key = f"workers[{i}]"
+def parse_worker(raw: Any, key: str = "worker") -> WorkerEntry:
+    """One worker entry (a config's workers[i], or the body of an admin call)."""
     if isinstance(raw, dict):
         for req in ("name", "url"):
             if req not in raw:
@@ -94,7 +95,7 @@ def parse_router_config(raw: dict) -> RouterConfig:
     workers = raw.get("workers", [])
     if not isinstance(workers, list) or not workers:
         raise RouterConfigError("workers must list at least one worker")
-    entries = tuple(_worker(i, w) for i, w in enumerate(workers))
+    entries = tuple(parse_worker(w, f"workers[{i}]") for i, w in enumerate(workers))
     names = [w.name for w in entries]
     if len(set(names)) != len(names):
         raise RouterConfigError(f"workers has a duplicate name in {names}")
@@ -102,6 +103,8 @@ def parse_router_config(raw: dict) -> RouterConfig:
         raise RouterConfigError(f"router.block_size = {r['block_size']} must be >= 1")
     if not 0 <= r["port"] < 65536:
         raise RouterConfigError(f"router.port = {r['port']} is not a port")
+    if r["dead_after_s"] < 0:
+        raise RouterConfigError(f"router.dead_after_s = {r['dead_after_s']} must be >= 0 (0: never)")
     if r["operator_token"] and len(r["operator_token"]) < 16:
         raise RouterConfigError("router.operator_token must be at least 16 characters")
     return RouterConfig(**r, cost=cost, workers=entries)

@@ -29,7 +29,7 @@ from ..index import Worker
 from ..scoring import Load
 from ..text import RequestError, TextTokenizer, request_tokens
 from . import front
-from .config import RouterConfig, WorkerEntry, load_router_config
+from .config import RouterConfig, RouterConfigError, WorkerEntry, load_router_config, parse_worker
 
 log = logging.getLogger(__name__)
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -60,13 +60,17 @@ class RouterMetrics:
         Gauge("kvcr_router_malformed_frames", "Event frames skipped as malformed", registry=r).set_function(
             lambda: app.core.subscriber.num_malformed)
         self.inflight = Gauge("kvcr_router_inflight", "Requests in flight, by worker", ["worker"], registry=r)
+        Gauge("kvcr_router_workers_down", "Workers whose event stream went silent (not routed to)",
+              registry=r).set_function(lambda: len(app.core.liveness.dead))
+        Gauge("kvcr_router_workers", "Workers known (live or down)", registry=r).set_function(
+            lambda: len(app.core.publishers))
 
 
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.tokenizer = TextTokenizer(cfg.tokenizer or None)
-        self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost)
+        self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost, dead_after_s=cfg.dead_after_s)
         self.entries: dict[Worker, WorkerEntry] = {}
         self.metrics = RouterMetrics(self)
         self._posting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcr-router-post")  # owns the sockets
@@ -117,12 +121,17 @@ class Router:
             self.core.needs_snapshot.add(worker)
             return
         self.core.load_snapshot(worker, seq, events)
+        log.info("worker %s: inventory loaded from its snapshot (%d events, seq %d)", worker[0], len(events), seq)
 
     async def follow_events(self) -> None:
         while True:
-            n = self.core.poll(0)
-            for worker in list(self.core.needs_snapshot):
-                await self.resync(worker)
+            try:
+                n = self.core.poll(0)
+                for worker in list(self.core.needs_snapshot):
+                    await self.resync(worker)
+            except Exception:  # one bad pass must not stop the index following the workers
+                log.exception("following the event streams failed; going on")
+                n = 0
             await asyncio.sleep(0 if n else 0.002)
 
     # --- routing ---------------------------------------------------------------------------------
@@ -158,7 +167,7 @@ class Router:
     def debug_view(self, tokens: list[int], cache_salt: str | None = None) -> dict:
         decision = self.decide(tokens, cache_salt=cache_salt)
         rows = []
-        for w in sorted(self.core.publishers):
+        for w in self.core.alive():
             o = decision.overlaps.get(w)
             rows.append({"worker": w[0], "dp_rank": w[1],
                          "overlap": {"device": o.device, "host": o.host, "disk": o.disk} if o else
@@ -176,7 +185,8 @@ class Router:
         app = web.Application(client_max_size=64 * 2**20)
         app.add_routes([*(web.post(path, self._handler(route)) for route, path in PATHS.items()),
                         web.post("/debug/index", self.debug_index), web.get("/metrics", self.metrics_page),
-                        web.get("/health", self.health), web.get("/workers", self.workers)])
+                        web.get("/health", self.health), web.get("/workers", self.workers),
+                        web.post("/admin/workers", self.admin_add), web.delete("/admin/workers/{name}", self.admin_remove)])
         return app
 
     async def _body(self, request: web.Request) -> dict:
@@ -189,7 +199,7 @@ class Router:
         return body
 
     def operator_refusal(self, request: web.Request) -> str:
-        """Why an operator-only request (a pinned target, the index view) is refused; "" if allowed.
+        """Why an operator-only request (a pinned target, the index view, membership) is refused; "" if allowed.
         Without router.operator_token only a router bound to loopback serves them."""
         token = self.cfg.operator_token
         if not token:
@@ -210,6 +220,8 @@ class Router:
                 decision = self.decide(tokens, request.headers.get("X-KVCR-Target"), front.cache_salt(body))
             except RequestError as exc:
                 return web.json_response({"error": {"message": str(exc)}}, status=400)
+            except LookupError as exc:  # every worker (or the pinned one) is down
+                return web.json_response({"error": {"message": str(exc)}}, status=503)
             self.metrics.stripped.inc(removed)
             return await self._forward(request, route, body, tokens, decision)
         return handle
@@ -295,7 +307,10 @@ class Router:
             salt = front.cache_salt(body)
         except RequestError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        return web.json_response(self.debug_view(tokens, salt))
+        try:
+            return web.json_response(self.debug_view(tokens, salt))
+        except LookupError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -304,9 +319,41 @@ class Router:
         return web.Response(text="ok")
 
     async def workers(self, request: web.Request) -> web.Response:
-        return web.json_response([{"name": e.name, "url": e.url, "dp_rank": w[1],
+        return web.json_response([{"name": e.name, "url": e.url, "dp_rank": w[1], "alive": not self.core.liveness.is_dead(w),
                                    "events": self.core.publishers[w].events, "control": self.core.publishers[w].control,
                                    "load": asdict(self.core.loads.get(w, Load()))} for w, e in self.entries.items()])
+
+    # --- membership: an operator adds and removes workers at run time ----------------------------
+
+    async def admin_add(self, request: web.Request) -> web.Response:
+        refusal = self.operator_refusal(request)
+        if refusal:
+            return web.json_response({"error": {"message": f"/admin/workers: {refusal}"}}, status=403)
+        try:
+            entry = parse_worker(await self._body(request))
+        except (RequestError, RouterConfigError) as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        if any(e.name == entry.name for e in self.entries.values()):
+            return web.json_response({"error": {"message": f"worker {entry.name!r} is already routed to"}},
+                                     status=409)
+        try:
+            await self.discover(entry, timeout_s=10.0)
+        except DiscoveryError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=502)
+        return web.json_response({"added": entry.name})
+
+    async def admin_remove(self, request: web.Request) -> web.Response:
+        refusal = self.operator_refusal(request)
+        if refusal:
+            return web.json_response({"error": {"message": f"/admin/workers: {refusal}"}}, status=403)
+        name = request.match_info["name"]
+        gone = [w for w, e in self.entries.items() if e.name == name]
+        if not gone:
+            return web.json_response({"error": {"message": f"no worker named {name!r}"}}, status=404)
+        self.core.remove(name)
+        for worker in gone:
+            del self.entries[worker]
+        return web.json_response({"removed": name})
 
     async def close(self) -> None:
         if self.session is not None:
