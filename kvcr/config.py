@@ -72,7 +72,7 @@ def _decode(cls: type, key: str, raw: Any) -> Any:
     hints = get_type_hints(cls)
     names = {f.name for f in fields(cls)}
     for unknown in sorted(set(raw) - names):
-        raise ConfigError(f"unknown key {_join(key, unknown)} = {raw[unknown]!r}")
+        raise ConfigError(f"unknown key {_join(key, unknown) or repr(unknown)} = {raw[unknown]!r}")
     values = {}
     for name in names & set(raw):
         values[name] = _decode_value(hints[name], _join(key, name), raw[name])
@@ -360,7 +360,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Read TOML (.toml) or JSON; `overrides` maps dotted keys to values applied on top."""
     raw: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
         try:
             raw = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -372,4 +375,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    return _decode(Config, "", raw)
+    try:
+        return _decode(Config, "", raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
