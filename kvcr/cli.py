@@ -62,12 +62,21 @@ def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "", curve:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from .keys import client_http_token
+
     try:
-        print(json.dumps(fetch_info(args.endpoint, args.timeout, token=os.environ.get("KVCR_HTTP_TOKEN", "")),
-                         indent=2))
+        print(json.dumps(fetch_info(args.endpoint, args.timeout, token=client_http_token()), indent=2))
     except (TimeoutError, OSError, ValueError) as exc:  # ValueError: a bad key in the environment
         print(f"kvcr info: {args.endpoint}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from .keys import init
+
+    made = init(args.directory)
+    print(f"kvcr keys: {args.directory}: " + (f"wrote {', '.join(made)}" if made else "every key is there already"))
     return 0
 
 
@@ -148,10 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="print a runner's info (endpoints, namespace, pools); "
-                                    "KVCR_HTTP_TOKEN holds an http:// runner's token")
+                                    "KVCR_HTTP_TOKEN (or KVCR_KEYS_DIR) holds an http:// runner's token, "
+                                    "KVCR_KEYS_DIR or KVCR_CURVE_PUBLIC_KEY/SECRET_KEY the CURVE keys")
     p.add_argument("endpoint", help="control endpoint tcp://HOST:PORT or http://HOST:PORT")
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("keys", help="create a deployment's key directory (CURVE keypair, HTTP token) if missing")
+    p.add_argument("action", choices=["init"])
+    p.add_argument("directory", help="e.g. /etc/kvcr/keys; give it to runners as runner.keys_dir, to the "
+                                     "router and the CLI as KVCR_KEYS_DIR")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("events", help="event stream tools")
     ev = p.add_subparsers(dest="events_command", required=True)

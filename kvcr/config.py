@@ -11,9 +11,12 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 
 from .proto.keys import EVENT_FORMATS, KeyFormatError, Namespace
+
+if TYPE_CHECKING:
+    from .keys import DeploymentKeys
 
 
 class ConfigError(ValueError):
@@ -188,6 +191,7 @@ class RunnerConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 0
     http_token: str = ""           # /info needs `Authorization: Bearer <token>` (required off loopback)
+    keys_dir: str = ""             # `kvcr keys init DIR`: CURVE keypair and token from files (docs/security.md)
     # A control socket or /info reachable from other hosts must authenticate (CURVE, a token);
     # true accepts, by name, that anyone who reaches them can read and write pages.
     insecure: bool = False
@@ -202,9 +206,17 @@ class CurveKeys:
 
     @classmethod
     def from_env(cls) -> "CurveKeys | None":
-        """A client's deployment keypair from KVCR_CURVE_PUBLIC_KEY / KVCR_CURVE_SECRET_KEY (the
-        router, the CLI): None when neither is set."""
+        """A client's deployment keypair from KVCR_CURVE_PUBLIC_KEY / KVCR_CURVE_SECRET_KEY, or
+        from the key directory KVCR_KEYS_DIR names (the router, the CLI): None when none is set."""
         public, secret = os.environ.get(ENV_PUBLIC, ""), os.environ.get(ENV_SECRET, "")
+        if not public and not secret and os.environ.get(ENV_KEYS_DIR):
+            from .keys import KeysError, load
+
+            try:
+                keys = load(os.environ[ENV_KEYS_DIR])
+            except KeysError as exc:
+                raise ConfigError(f"{ENV_KEYS_DIR}: {exc}") from None
+            public, secret = keys.curve_public, keys.curve_secret
         if not public and not secret:
             return None
         for name, value in ((ENV_PUBLIC, public), (ENV_SECRET, secret)):
@@ -212,7 +224,7 @@ class CurveKeys:
         return cls(public.encode(), secret.encode(), frozenset())
 
 
-ENV_PUBLIC, ENV_SECRET = "KVCR_CURVE_PUBLIC_KEY", "KVCR_CURVE_SECRET_KEY"
+ENV_PUBLIC, ENV_SECRET, ENV_KEYS_DIR = "KVCR_CURVE_PUBLIC_KEY", "KVCR_CURVE_SECRET_KEY", "KVCR_KEYS_DIR"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,17 +249,39 @@ class Config:
             raise ConfigError(str(exc)) from None
 
     def curve(self) -> CurveKeys | None:
+        """The deployment keypair: the config's keys, else runner.keys_dir's (read now, so a
+        missing file is refused when the runner starts, by its path), else none."""
         r = self.runner
-        if not r.curve_public_key:
+        public, secret = r.curve_public_key, r.curve_secret_key
+        if not public and r.keys_dir:
+            keys = self._keys_dir()
+            public, secret = keys.curve_public, keys.curve_secret
+        if not public:
             return None
-        return CurveKeys(r.curve_public_key.encode(), r.curve_secret_key.encode(),
-                         frozenset({r.curve_public_key.encode(), *(k.encode() for k in r.curve_allowed_clients)}))
+        return CurveKeys(public.encode(), secret.encode(),
+                         frozenset({public.encode(), *(k.encode() for k in r.curve_allowed_clients)}))
+
+    def http_token(self) -> str:
+        return self.runner.http_token or (self._keys_dir().http_token if self.runner.keys_dir else "")
+
+    def _keys_dir(self) -> DeploymentKeys:
+        from .keys import KeysError, load
+
+        try:
+            return load(self.runner.keys_dir)
+        except KeysError as exc:
+            raise ConfigError(f"runner.keys_dir: {exc}") from None
+
+    @property
+    def secured(self) -> bool:
+        """CURVE keys configured (inline or through runner.keys_dir)."""
+        return bool(self.runner.curve_public_key or self.runner.keys_dir)
 
     @property
     def page_digests(self) -> bool:
         """Digest each page at commit and check pulled pages against the source's digests: asked
         for, and always with CURVE on (a page changed behind the runner's back is never delivered)."""
-        return self.runner.verify_transfer_bytes or bool(self.runner.curve_public_key)
+        return self.runner.verify_transfer_bytes or self.secured
 
     def pool_sizes(self) -> dict[str, int]:
         """Bytes per pool; a pool with size 0 takes what the others leave of dram.size."""
@@ -272,11 +306,11 @@ def _off_host(endpoint_or_host: str) -> bool:
 def _validate_exposure(r: RunnerConfig) -> None:
     if r.insecure:
         return
-    _require(not _off_host(r.control_endpoint) or bool(r.curve_public_key),
+    _require(not _off_host(r.control_endpoint) or bool(r.curve_public_key or r.keys_dir),
              f"runner.control_endpoint = {r.control_endpoint!r} is reachable from other hosts, and its answers let "
              "a client read and write pages: set runner.curve_public_key/curve_secret_key (docs/security.md), "
              "or runner.insecure = true to accept that")
-    _require(not _off_host(r.http_host) or bool(r.http_token),
+    _require(not _off_host(r.http_host) or bool(r.http_token or r.keys_dir),
              f"runner.http_host = {r.http_host!r} is reachable from other hosts: set runner.http_token "
              "(docs/security.md), or runner.insecure = true to accept an open /info")
 
@@ -286,6 +320,7 @@ def _validate(cfg: Config) -> None:
     _require(r.block_size >= 1, f"runner.block_size = {r.block_size} must be >= 1")
     _require(r.dp_rank >= 0, f"runner.dp_rank = {r.dp_rank} must be >= 0")
     _require(r.lease_seconds > 0, f"runner.lease_seconds = {r.lease_seconds} must be > 0")
+    _require(not (r.keys_dir and r.curve_public_key), "set runner.keys_dir or runner.curve_public_key, not both")
     _require(bool(r.curve_public_key) == bool(r.curve_secret_key),
              "runner.curve_public_key and runner.curve_secret_key must be set together")
     for key, value in (("runner.curve_public_key", r.curve_public_key), ("runner.curve_secret_key", r.curve_secret_key),

@@ -54,7 +54,7 @@ class Service:
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
-                               info=self.public_info, health=self.health, token=cfg.runner.http_token)
+                               info=self.public_info, health=self.health, token=cfg.http_token())
         self.stopped = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)
 

@@ -9,6 +9,7 @@ process reaches every host as an outside client would. Needs root and iproute2.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -109,8 +110,17 @@ class TestHost:
         _ip("netns", "del", self.ns, check=False)  # its veth end goes with it, and so the bridge's
 
 
+_LOCK_PATH = "/run/kvcr-test-hosts.lock"
+_lock_fd: int | None = None
+
+
 def make_hosts(n: int, state_dir: Path) -> list[TestHost]:
-    destroy_hosts(n)  # leftovers of an interrupted run
+    """The hosts, once no other test run on this machine holds them (the names and the subnet are
+    fixed, so two runs take turns)."""
+    global _lock_fd
+    _lock_fd = os.open(_LOCK_PATH, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(_lock_fd, fcntl.LOCK_EX)
+    destroy_hosts(n, release=False)  # leftovers of an interrupted run
     _ip("link", "add", BRIDGE, "type", "bridge")
     _ip("addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
     _ip("link", "set", BRIDGE, "up")
@@ -120,7 +130,11 @@ def make_hosts(n: int, state_dir: Path) -> list[TestHost]:
     return hosts
 
 
-def destroy_hosts(n: int) -> None:
+def destroy_hosts(n: int, *, release: bool = True) -> None:
+    global _lock_fd
     for i in range(n):
         TestHost(f"h{i + 1}", i, Path("/")).destroy()
     _ip("link", "del", BRIDGE, check=False)
+    if release and _lock_fd is not None:
+        os.close(_lock_fd)  # releases the flock
+        _lock_fd = None

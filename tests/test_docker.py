@@ -29,7 +29,7 @@ DOCKER = ROOT / "docker"
 DOCKERFILES = ["Dockerfile.cpu", "Dockerfile.gpu"]
 COMPOSE_FILES = ["compose.cpu.yaml", "compose.gpu.yaml"]
 # Services that run no kvcr runner, hence hold no DRAM pool; every other service must size for one.
-NO_DRAM_POOL = {"router", "prometheus", "dynamo-indexer"}
+NO_DRAM_POOL = {"router", "prometheus", "dynamo-indexer", "keys"}
 
 
 def tool(name: str, package: str) -> Path:

@@ -16,6 +16,8 @@ import zmq
 from kvcr.client import ControlClient
 from kvcr.config import CurveKeys
 from kvcr.proto import messages as m
+from kvcr.demo.procs import Child, stop_all
+from tests.cluster import SMALL_MODEL, http, router
 from tests.conftest import ROOT, RunnerProcess, wait_until
 from tests.netns import destroy_hosts, make_hosts, unavailable
 from tests.test_service import pages_for
@@ -25,6 +27,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(bool(unavailable()), reason=
 PAGE, PAGES = 64 * 1024, 128
 TOKEN = "netns-test-token-0123"
 HOST_UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+SMALL_PAGE_BYTES = 16 * 1024  # tests/cluster.py's model: 2 layers x K,V x 16 tokens x 64 floats
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +43,31 @@ def hosts(tmp_path):
     destroy_hosts(3)
 
 
+def host_runner_keys(host, public: str, secret: str) -> dict:
+    """A runner bound to its host's address: CURVE and a token required, UCX on eth0."""
+    a = host.address
+    return {"runner.peers": ["*"], "runner.control_endpoint": f"tcp://{a}:5600", "events.endpoint": f"tcp://{a}:5557",
+            "events.replay_endpoint": f"tcp://{a}:5558", "runner.http_host": a, "runner.http_port": 9400,
+            "runner.http_token": TOKEN, "runner.curve_public_key": public, "runner.curve_secret_key": secret,
+            "runner.ucx_interface": "eth0", "runner.lease_seconds": 2.0, "runner.pull_timeout_s": 3.0,
+            "runner.pull_abandon_s": 2.0, "runner.control_timeout_s": 2.0}
+
+
+def host_env(public: str, secret: str) -> dict:
+    return {**os.environ, **HOST_UCX, "KVCR_TEST_CURVE_PUBLIC": public, "KVCR_TEST_CURVE_SECRET": secret,
+            "KVCR_CURVE_PUBLIC_KEY": public, "KVCR_CURVE_SECRET_KEY": secret}
+
+
 @pytest.fixture
 def cluster(hosts, tmp_path, curve_keys):
     """A runner on h1 holding PAGES seeded pages, and one on h2 that may pull from it."""
     public, secret = curve_keys
-    env = {**os.environ, **HOST_UCX, "KVCR_TEST_CURVE_PUBLIC": public, "KVCR_TEST_CURVE_SECRET": secret}
+    env = host_env(public, secret)
     started = []
 
     def runner(host, name):
-        a = host.address
-        proc = RunnerProcess(tmp_path, name, {
-            "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "dram.size": "32Mi", "runner.peers": ["*"],
-            "runner.control_endpoint": f"tcp://{a}:5600", "events.endpoint": f"tcp://{a}:5557",
-            "events.replay_endpoint": f"tcp://{a}:5558", "runner.http_host": a, "runner.http_port": 9400,
-            "runner.http_token": TOKEN, "runner.curve_public_key": public, "runner.curve_secret_key": secret,
-            "runner.ucx_interface": "eth0", "runner.lease_seconds": 2.0, "runner.pull_timeout_s": 3.0,
-            "runner.pull_abandon_s": 2.0, "runner.control_timeout_s": 2.0}, env=env, wrap=host.wrap())
+        proc = RunnerProcess(tmp_path, name, {"dram.pools": [{"name": "kv", "page_bytes": PAGE}], "dram.size": "32Mi",
+                                              **host_runner_keys(host, public, secret)}, env=env, wrap=host.wrap())
         started.append(proc)
         return proc.start()
 
@@ -80,6 +92,12 @@ def pull(cluster, keys, timeout_s=60.0) -> int:
     with ControlClient(cluster["b"]["endpoints"]["control"], curve=cluster["curve"], timeout_s=timeout_s) as client:
         return client.request(m.Pull(source_endpoint=cluster["a"]["endpoints"]["control"], pool="kv",
                                      keys=keys)).num_local
+
+
+def generate(url: str, text: str, headers: dict | None = None) -> tuple[str | None, dict]:
+    status, hdrs, body = http(url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 6}}, headers)
+    assert status == 200, body
+    return hdrs.get("X-KVCR-Worker"), json.loads(body)
 
 
 def metric(info, name: str) -> float:
@@ -133,3 +151,58 @@ def test_a_source_host_that_never_comes_back_costs_one_control_timeout(cluster):
     t0 = time.monotonic()
     assert pull(cluster, keys) == 0 and time.monotonic() - t0 < 1.0  # skipped while it backs off
     assert metric(cluster["b"], "kvcr_peer_skipped_unreachable") >= 1
+
+
+@pytest.fixture
+def routed(hosts, tmp_path, curve_keys):
+    """`kvcr worker`s on h1 and h2 and the reference router outside both (it holds the keys)."""
+    public, secret = curve_keys
+    env = host_env(public, secret)
+    workers = []
+    for host in hosts[:2]:
+        sets = [a for k, v in host_runner_keys(host, public, secret).items()
+                for a in ("--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}")]
+        workers.append(Child(tmp_path, f"w{host.index + 1}", ["worker", "--name", f"w{host.index + 1}", "--host",
+                                                              host.address, "--port", "8000", *SMALL_MODEL,
+                                                              "--set", "dram.size=16Mi", *sets],
+                             env=env, cwd=ROOT, wrap=host.wrap()).start())
+    for w in workers:
+        w.wait_ready()
+    front = router(tmp_path, workers, dead_after_s=2.0)
+    front.env = env
+    front.start().wait_ready()
+    yield front, workers
+    stop_all([front, *workers])
+
+
+def test_through_the_router_a_worker_pulls_its_peers_pages_across_hosts(routed, hosts):
+    front, (w1, w2) = routed
+    text = "Pages w1 computes on h1 and w2 pulls across the bridge on the router's hint. " * 5
+    _, cold = generate(w1.url, text)
+    rx = hosts[1].bytes_moved()[0]
+    name, out = generate(front.url, text, headers={"X-KVCR-Target": "w2"})
+    kv = out["meta_info"]["kvcr"]
+    assert name == "w2" and kv["peer_pages"] == cold["meta_info"]["kvcr"]["stored_pages"] > 0
+    assert out["output_ids"] == cold["output_ids"]
+    assert hosts[1].bytes_moved()[0] - rx >= kv["peer_pages"] * SMALL_PAGE_BYTES
+
+
+def test_a_router_cut_from_a_workers_stream_stops_routing_there_and_resyncs_when_it_heals(routed, hosts):
+    front, (w1, w2) = routed
+    text = "Pages only w2 holds; while its link is down the router must not count on them. " * 4
+    assert generate(front.url, text, headers={"X-KVCR-Target": "w2"})[0] == "w2"
+    overlap = lambda: {r["worker"]: r["overlap"]["host"] for r in
+                       json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
+    alive = lambda: {w["name"]: w["alive"] for w in json.loads(http(front.url + "/workers")[2])}
+    wait_until(lambda: overlap().get("w2", 0) > 0, 10, 0.1, "w2's pages indexed")
+    hosts[1].link(False)
+    t0 = time.monotonic()
+    try:
+        wait_until(lambda: alive() == {"w1": True, "w2": False}, 2.0 + 5, 0.1, "w2 declared down")
+        down_after = time.monotonic() - t0
+        assert set(overlap()) == {"w1"} and generate(front.url, text)[0] == "w1"
+    finally:
+        hosts[1].link(True)
+    wait_until(lambda: alive() == {"w1": True, "w2": True}, 15, 0.1, "w2 back")
+    wait_until(lambda: overlap().get("w2", 0) > 0, 15, 0.1, "w2's pages reloaded from its snapshot")
+    assert down_after < 2.0 + 5

@@ -149,3 +149,31 @@ def test_the_cli_speaks_curve_with_the_deployment_keys_from_its_environment(runn
     assert keyed.returncode == 0 and json.loads(keyed.stdout)["name"] == "a"
     broken = kvcr_info(KVCR_CURVE_PUBLIC_KEY="short")
     assert broken.returncode == 1 and "Traceback" not in broken.stderr and "KVCR_CURVE_PUBLIC_KEY must be a 40-character Z85 CURVE key" in broken.stderr
+
+
+def test_a_key_directory_secures_a_runner_and_its_clients(runner_factory, tmp_path):
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from kvcr import keys
+    from tests.conftest import ROOT
+
+    directory = tmp_path / "keys"
+    run = lambda *args, **env: subprocess.run([sys.executable, "-m", "kvcr.cli", *args], cwd=ROOT, capture_output=True,
+                                              text=True, timeout=60, env={**os.environ, **env})
+    assert "wrote curve.public, curve.secret, http.token" in run("keys", "init", str(directory)).stdout
+    assert "every key is there already" in run("keys", "init", str(directory)).stdout  # never replaced
+    assert stat.S_IMODE((directory / "curve.secret").stat().st_mode) == 0o600
+    made = keys.load(directory)
+    info = runner_factory("a", **{"dram.pools": POOLS, "runner.keys_dir": str(directory)}).start()
+    assert http_get(info["endpoints"]["http"] + "/info")[0] == 401
+    assert http_get(info["endpoints"]["http"] + "/info", made.http_token)[0] == 200
+    assert run("info", info["endpoints"]["control"], "--timeout", "1").returncode == 1  # no keys: no answer
+    for endpoint in (info["endpoints"]["control"], info["endpoints"]["http"]):  # CURVE, and the token
+        keyed = run("info", endpoint, "--timeout", "5", KVCR_KEYS_DIR=str(directory))
+        assert keyed.returncode == 0 and json.loads(keyed.stdout)["name"] == "a"
+    (directory / "http.token").write_text("short\n")
+    with pytest.raises(keys.KeysError, match="http.token must hold a token of at least 16 characters"):
+        keys.load(directory)

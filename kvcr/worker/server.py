@@ -124,7 +124,7 @@ class Worker:
         return app
 
     def info(self) -> dict:
-        return {"model": self.model_name, "page_size": self.engine.page_size, "kvcr_runner": self.service.info(),
+        return {"model": self.model_name, "page_size": self.engine.page_size, "kvcr_runner": self.service.public_info(),
                 "stats": self.engine.stats.as_dict(), "inflight": self.inflight, "tiers": self.tiers(),
                 "model_config": asdict(self.engine.model.cfg)}
 

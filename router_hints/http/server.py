@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcr.cli import fetch_info
+from kvcr.keys import client_http_token
 from kvcr.client import ControlClient, ControlError
 from kvcr.proto import messages as m
 
@@ -100,7 +101,7 @@ class Router:
 
     async def _runner_info(self, entry: WorkerEntry) -> dict:
         if entry.runner:
-            return await asyncio.to_thread(fetch_info, entry.runner, token=entry.runner_token)
+            return await asyncio.to_thread(fetch_info, entry.runner, token=entry.runner_token or client_http_token())
         async with self.session.get(entry.url.rstrip("/") + "/server_info") as resp:
             resp.raise_for_status()
             info = await resp.json()
