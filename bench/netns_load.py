@@ -126,7 +126,7 @@ def main() -> int:
         info = source.start()
         control, http = info["endpoints"]["control"], info["endpoints"]["http"]
         put = subprocess.run([*hosts[0].wrap(), sys.executable, "-m", "tests.netns_client", "put", control,
-                              args.pages, 1], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              str(args.pages), "1"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env={**env, "KVCR_TEST_CURVE_PUBLIC": public, "KVCR_TEST_CURVE_SECRET": secret})
         assert put.returncode == 0, put.stderr
         rss_before = rss_kib(source.proc.pid)
@@ -139,7 +139,7 @@ def main() -> int:
                   f"p99 {rows[-1]['p99_ms']:.1f} ms, short {rows[-1]['short']}, wrong {rows[-1]['wrong']}", flush=True)
         rss_after = rss_kib(source.proc.pid)
         final = subprocess.run([*hosts[2].wrap(), sys.executable, "-m", "tests.netns_client", "pull", control,
-                                args.pages, 1], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                str(args.pages), "1"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                                env={**env, "KVCR_TEST_CURVE_PUBLIC": public, "KVCR_TEST_CURVE_SECRET": secret})
         still = json.loads(final.stdout.splitlines()[-1]) if final.returncode == 0 else {"error": final.stderr[-300:]}
         claims_end = metric(http, "kvcr_claims_held")
