@@ -434,3 +434,25 @@ def test_a_silent_worker_is_dropped_from_routing_and_back_when_it_speaks_and_the
     finally:
         for p in [front, *workers]:
             p.stop()
+
+
+def test_workers_join_and_leave_through_info_files_in_the_discovery_directory(tmp_path):
+    from kvcr.demo.procs import Child
+
+    directory = tmp_path / "discovery"
+    directory.mkdir()
+    (tmp_path / "router.json").write_text(json.dumps({"router": {"port": 0, "discovery_dir": str(directory)},
+                                                      "workers": []}))
+    front = Child(tmp_path, "router", ["router", "--config", str(tmp_path / "router.json")]).start()
+    joined = worker(directory, "d0").start()  # its --info-file lands in the directory once it is up
+    try:
+        front.wait_ready()
+        joined.wait_ready()
+        names = lambda: [w["name"] for w in json.loads(http(front.url + "/workers")[2])]
+        wait_until(lambda: names() == ["d0"], 30, 0.2, "d0 joined from its info file")
+        assert generate(front.url, "A worker found through the discovery directory. " * 3)[0] == "d0"
+        joined.info_file.unlink()
+        wait_until(lambda: names() == [], 10, 0.2, "d0 left once its file went")
+    finally:
+        for p in (front, joined):
+            p.stop()

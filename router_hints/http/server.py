@@ -326,6 +326,36 @@ class Router:
 
     # --- membership: an operator adds and removes workers at run time ----------------------------
 
+    async def watch_directory(self, period_s: float = 1.0) -> None:
+        """router.discovery_dir: a worker whose info file appears there joins; one whose file goes, leaves."""
+        joined: dict[Path, str] = {}
+        while True:
+            seen = {}
+            for path in Path(self.cfg.discovery_dir).glob("*.json"):
+                entry = _entry_from_info_file(path)
+                if entry is not None:
+                    seen[path] = entry
+            for path, entry in seen.items():
+                if path not in joined and not any(e.name == entry.name for e in self.entries.values()):
+                    joined[path] = entry.name
+                    asyncio.create_task(self._join(entry))
+            for path in [p for p in joined if p not in seen]:
+                self._leave(joined.pop(path))
+            await asyncio.sleep(period_s)
+
+    async def _join(self, entry: WorkerEntry) -> None:
+        try:
+            await self.discover(entry, timeout_s=30.0)
+        except DiscoveryError as exc:
+            log.warning("worker %s from %s not joined: %s", entry.name, self.cfg.discovery_dir, exc)
+
+    def _leave(self, name: str) -> None:
+        gone = [w for w, e in self.entries.items() if e.name == name]
+        self.core.remove(name)
+        for worker in gone:
+            del self.entries[worker]
+        log.info("worker %s left the routing", name)
+
     async def admin_add(self, request: web.Request) -> web.Response:
         refusal = self.operator_refusal(request)
         if refusal:
@@ -348,12 +378,9 @@ class Router:
         if refusal:
             return web.json_response({"error": {"message": f"/admin/workers: {refusal}"}}, status=403)
         name = request.match_info["name"]
-        gone = [w for w, e in self.entries.items() if e.name == name]
-        if not gone:
+        if not any(e.name == name for e in self.entries.values()):
             return web.json_response({"error": {"message": f"no worker named {name!r}"}}, status=404)
-        self.core.remove(name)
-        for worker in gone:
-            del self.entries[worker]
+        self._leave(name)
         return web.json_response({"removed": name})
 
     async def close(self) -> None:
@@ -362,6 +389,15 @@ class Router:
         self._posting.submit(lambda: [c.close() for c in self._clients.values()]).result()
         self._posting.shutdown()
         self.core.close()
+
+
+def _entry_from_info_file(path: Path) -> WorkerEntry | None:
+    """A `kvcr worker --info-file` file as a worker entry; None while it is partial or not one."""
+    try:
+        info = json.loads(path.read_text())
+        return WorkerEntry(name=info["kvcr_runner"]["name"], url=info["url"], runner="")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _snapshot(control: str) -> tuple[int, list]:
@@ -376,6 +412,7 @@ async def serve(cfg: RouterConfig, info_file: str | None = None) -> None:
     try:
         await asyncio.gather(*(router.discover(e) for e in cfg.workers))
         follower = asyncio.create_task(router.follow_events())
+        watcher = asyncio.create_task(router.watch_directory()) if cfg.discovery_dir else None
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         url = f"http://{cfg.host}:{runner.addresses[0][1]}"
@@ -390,6 +427,8 @@ async def serve(cfg: RouterConfig, info_file: str | None = None) -> None:
             loop.add_signal_handler(sig, done.set)
         await done.wait()
         follower.cancel()
+        if watcher is not None:
+            watcher.cancel()
     finally:
         await runner.cleanup()
         await router.close()
