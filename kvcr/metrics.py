@@ -136,6 +136,8 @@ class RunnerCollector:
                                   value=runner.puller.num_refused_untrusted)
         yield CounterMetricFamily("kvcr_control_unauthenticated", "CURVE clients refused",
                                   value=svc.control.num_unauthenticated)
+        yield CounterMetricFamily("kvcr_http_unauthorized", "/info requests refused for want of the token",
+                                  value=svc.http.num_unauthorized)
         with runner.lock:
             hinted = len(runner.hints)
         yield GaugeMetricFamily("kvcr_hinted_hashes", "Block hashes held from posted hints", value=hinted)

@@ -58,7 +58,7 @@ def test_with_a_token_info_answers_only_its_bearer_and_metrics_stay_open(runner_
     assert status == 200 and json.loads(body)["name"] == "a"
     assert http_get(http + "/healthz")[0] == 200
     status, body = http_get(http + "/metrics")
-    assert status == 200 and b"kvcr_ucx_workers_retired" in body
+    assert status == 200 and b"kvcr_ucx_workers_retired" in body and b"kvcr_http_unauthorized_total 2.0" in body
 
 
 @pytest.mark.parametrize("keys, problem", [

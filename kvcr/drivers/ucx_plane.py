@@ -184,7 +184,6 @@ class UcxPlane:
     def num_retired_workers(self) -> int:
         return sum(lane.num_retired for lane in self._lanes)
 
-
     def get(self, peer_address: bytes, rkeys: dict[int, bytes], remote_base: int, ops: list[tuple[int, int, int]],
             *, timeout_s: float, abandon_s: float) -> GetResult:
         """GETs of (local_address, nbytes, remote_offset), each inside one registered chunk of the

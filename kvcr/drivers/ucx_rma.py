@@ -217,7 +217,8 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
                     flush_ok = False
                     error = error or f"flush failed with status {status}"
         if time.monotonic() >= deadline and (pending or flush is not None):
-            return GetResult((False,) * len(done), error=error or f"transfer timed out after {timeout_s} s",
+            # GETs that completed hold their bytes for good; the rest are the caller's to end.
+            return GetResult(tuple(done), error=error or f"transfer timed out after {timeout_s} s",
                              outstanding=(*pending.values(), *([flush] if flush is not None else [])))
     if not flush_ok:  # a failed flush means no GET can be trusted, whatever its own status said
         done = [False] * len(done)
