@@ -156,7 +156,10 @@ class NvmeConfig:
     read_workers: int = 4
     write_workers: int = 2
     fsync: bool = False
-    spill: bool = True             # DRAM eviction writes pages to NVMe first
+    write_policy: str = "write_behind"  # or "spill": write a page only when DRAM evicts it
+    dirty_wait_s: float = 1.0      # a fill that only dirty pages can make room for waits this long, then drops
+    flush_timeout_s: float = 10.0  # at shutdown, dirty pages are written for at most this long
+    write_batch: int = 64          # pages per persister batch
     promote: bool = True           # an NVMe hit is copied into DRAM before it is served
     stale_temp_age_s: float = 600.0
     verify: str = "first_read"     # digest check: first read of each file, every read, or never
@@ -389,6 +392,11 @@ def _validate(cfg: Config) -> None:
     _require(n.verify in ("first_read", "always", "never"),
              f"nvme.verify = {n.verify!r} must be one of first_read, always, never")
     _require(n.stale_temp_age_s >= 0, f"nvme.stale_temp_age_s = {n.stale_temp_age_s} must be >= 0")
+    _require(n.write_policy in ("write_behind", "spill"),
+             f"nvme.write_policy = {n.write_policy!r} must be write_behind or spill")
+    for key, value in (("dirty_wait_s", n.dirty_wait_s), ("flush_timeout_s", n.flush_timeout_s)):
+        _require(value >= 0, f"nvme.{key} = {value} must be >= 0")
+    _require(n.write_batch >= 1, f"nvme.write_batch = {n.write_batch} must be >= 1")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

@@ -33,7 +33,7 @@ class RunnerCollector:
         for s in stats:
             for state, n in (("free", s.num_free), ("filling", s.num_filling), ("ready", s.num_ready),
                              ("discarding", s.num_discarding), ("claimed", s.num_claimed),
-                             ("quarantined", s.num_quarantined)):
+                             ("quarantined", s.num_quarantined), ("dirty", s.num_dirty)):
                 pages.add_metric([s.name, "dram", state], n)
             nbytes.add_metric([s.name, "dram"], s.num_ready * s.page_bytes)
             capacity.add_metric([s.name, "dram"], s.capacity)
@@ -47,6 +47,7 @@ class RunnerCollector:
             evictions.add_metric([name, "nvme"], d.num_evicted)
         yield from (pages, nbytes, capacity, evictions)
         yield from self._nvme(runner)
+        yield from self._persist(runner)
         yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=hits)
         yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=misses)
         yield GaugeMetricFamily("kvcr_claims_held", "Claims currently pinning pages", value=claim_stats.num_claims)
@@ -104,11 +105,46 @@ class RunnerCollector:
                     buckets.append((bound, cumulative))
                 latency[op].add_metric([name], buckets, hist.total)
         yield from (corrupt, unverified, foreign, errors, *latency.values())
-        yield CounterMetricFamily("kvcr_spilled_pages", "DRAM pages written to NVMe on eviction",
+        yield CounterMetricFamily("kvcr_spilled_pages", "DRAM pages written to NVMe (write-behind or spill)",
                                   value=runner.num_spilled)
         yield CounterMetricFamily("kvcr_promoted_pages", "NVMe pages copied into DRAM to be served",
                                   value=runner.num_promoted)
 
+
+    @staticmethod
+    def _persist(runner) -> Iterator[Metric]:
+        dropped = CounterMetricFamily("kvcr_pages_dropped", "Pages a tier let go that no tier below kept, by reason",
+                                      labels=["pool", "tier", "reason"])
+        queue = GaugeMetricFamily("kvcr_write_behind_queue", "Dirty pages waiting for the NVMe writer",
+                                  labels=["pool"])
+        lag = GaugeMetricFamily("kvcr_write_behind_lag_seconds", "Age of the oldest dirty page waiting (0: none)",
+                                labels=["pool"])
+        p = runner.persister
+        with runner.lock:
+            now = runner.clock()
+            for (pool, tier, reason), n in sorted(runner.dropped().items()):
+                dropped.add_metric([pool, tier, reason], n)
+            for name in runner.disks:
+                pool = runner.pools[name]
+                queue.add_metric([name], pool.num_dirty)
+                since = pool.oldest_dirty_since()
+                lag.add_metric([name], 0.0 if since is None else max(0.0, now - since))
+            waits, waited, flush = runner.num_fill_waits, runner.fill_wait_s, runner.shutdown_flush
+        yield from (dropped, queue, lag)
+        yield CounterMetricFamily("kvcr_nvme_writes_skipped", "Dirty pages already on NVMe (not rewritten)",
+                                  value=p.num_skipped)
+        refused = CounterMetricFamily("kvcr_nvme_writes_refused", "Dirty pages NVMe did not take, by reason",
+                                      labels=["reason"])
+        for reason, n in sorted(p.num_refused.items()):
+            refused.add_metric([reason], n)
+        yield refused
+        yield CounterMetricFamily("kvcr_fill_waits", "Fills that waited for the NVMe writer (back-pressure)",
+                                  value=waits)
+        yield CounterMetricFamily("kvcr_fill_wait_seconds", "Time fills spent waiting for the NVMe writer",
+                                  value=waited)
+        if flush is not None:
+            yield GaugeMetricFamily("kvcr_shutdown_flush_seconds", "Time the shutdown flush to NVMe took",
+                                    value=flush[0])
 
     @staticmethod
     def _peers(svc) -> Iterator[Metric]:

@@ -7,6 +7,7 @@ are FILLING (invisible) or claimed (pinned), so a half-written page is never vis
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import threading
@@ -18,8 +19,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import xxhash
 
+from collections import Counter
+
 from .config import Config
 from .drivers.nvme import DiskTier
+from .persist import Persister
 from .drivers.shm import Region, host_id, region_name
 from .proto.announce import Announce
 from .proto.claims import Claim, ClaimError, ClaimTable, Fill, Release
@@ -28,12 +32,15 @@ from .proto.events import AllBlocksCleared, Event, EventError
 from .proto.hintbook import HintBook, HintedSource
 from .proto.hints import FetchHint
 from .proto.keys import Namespace, storage_key
-from .proto.pool import Page, PagePool, PageSizeError, PoolError, coalesce_stored
+from .proto.pool import Keep, Page, PagePool, PageSizeError, PoolBusy, PoolError, coalesce_stored
 from .proto.relay import RelayStep
 from .proto.shards import ShardGroups
 
 if TYPE_CHECKING:
     from .peer import Confirmation
+
+
+log = logging.getLogger(__name__)
 
 
 class UnknownPool(PoolError):
@@ -94,21 +101,28 @@ class Runner:
         self.region = Region.create(name, total, lock_memory=cfg.dram.lock_memory)
         self.view = self.region.view
         self.region_address = self.region.address
-        # With spilling on, DRAM watermarks are enforced by spill() (which writes pages to NVMe
-        # first); the pool itself then only evicts when a fill finds no free slot.
-        self.spilling = bool(cfg.nvme.storage_dir) and cfg.nvme.spill
-        wm = (1.0, 1.0) if self.spilling else (cfg.dram.high_watermark, cfg.dram.low_watermark)
+        # With an NVMe tier, committed pages are DIRTY until the persister has written them, and
+        # eviction takes CLEAN pages first (see PagePool).
+        lower = bool(cfg.nvme.storage_dir)
         self.pools = {p.name: PagePool(p.name, page_bytes=p.page_bytes, num_slots=p.num_slots,
-                                       block_size=cfg.runner.block_size, high_watermark=wm[0],
-                                       low_watermark=wm[1]) for p in self.layouts.values()}
+                                       block_size=cfg.runner.block_size, high_watermark=cfg.dram.high_watermark,
+                                       low_watermark=cfg.dram.low_watermark, lower=lower)
+                      for p in self.layouts.values()}
         self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction,
                                  max_claims_per_owner=cfg.runner.max_claims_per_peer)
         self.lock = threading.RLock()
         self.disks: dict[str, DiskTier] = {}
         if cfg.nvme.storage_dir:
             self.disks = {p.name: self._disk_tier(p) for p in self.layouts.values()}
-        self.num_spilled = 0
         self.num_promoted = 0
+        self.written = threading.Condition(self.lock)  # the persister settled a batch: room may exist
+        self._fill_demand: Counter[str] = Counter()  # pages waiting fills need evicted (spill writes them)
+        self.num_fill_waits = 0
+        self.fill_wait_s = 0.0
+        self.shutdown_flush: tuple[float, int, int] | None = None  # seconds, pages written, pages left
+        self.persister = Persister(self, policy=cfg.nvme.write_policy, batch=cfg.nvme.write_batch)
+        if self.disks:
+            self.persister.start()
         self.plane = None  # the UCX data plane, set by the service when peers are served
         self.puller = None  # kvcr.peer.Puller, set with the plane
         self.hints = HintBook(ttl_s=cfg.runner.hint_ttl_s, max_hashes=cfg.runner.max_hinted_hashes)
@@ -147,8 +161,12 @@ class Runner:
         layout = self.layouts[pool]
         return layout.offset + slot * layout.stride
 
-    def _flush_events(self) -> None:
+    def flush_events(self) -> None:
         events: list[Event] = []
+        for name, disk in self.disks.items():  # DRAM copies of pages NVMe let go lose their keeper
+            dropped = disk.index.take_dropped()
+            if dropped:
+                self.pools[name].mark_unkept(self.keys(name, [n[:64] for n in dropped]), Keep.LOWER_EVICTED)
         for pool in self.pools.values():
             events.extend(pool.take_events())
         for disk in self.disks.values():
@@ -158,7 +176,7 @@ class Runner:
 
     def _flush_locked(self) -> None:
         with self.lock:
-            self._flush_events()
+            self.flush_events()
 
     def slot_view(self, pool: str, page: Page) -> memoryview:
         layout = self.layouts[pool]
@@ -169,20 +187,60 @@ class Runner:
 
     def reserve(self, pool: str, keys: Sequence[str], announces: Sequence[Announce | None] | None = None, *,
                 owner: str = "local", lease_s: float | None = None, writer_pid: int = 0) -> Fill:
+        """Reserve slots for `keys`. When only DIRTY pages could make room, wait up to
+        nvme.dirty_wait_s for the persister to write them, then drop the least recently used ones
+        (counted under `nvme_lagging`)."""
+        p = self.pool(pool)
+        deadline = None
         with self.lock:
-            fill = self.claims.reserve(self.pool(pool), keys, announces, owner=owner,
-                                       lease_s=lease_s or self.cfg.runner.lease_seconds, now=self.clock(),
-                                       writer_pid=writer_pid)
-            self._flush_events()  # room may have been made by eviction
+            while True:
+                try:
+                    fill = self.claims.reserve(p, keys, announces, owner=owner,
+                                               lease_s=lease_s or self.cfg.runner.lease_seconds, now=self.clock(),
+                                               writer_pid=writer_pid,
+                                               evict_dirty=deadline is not None and time.monotonic() >= deadline)
+                    break
+                except PoolBusy as busy:
+                    deadline = self._wait_for_writer(pool, busy, deadline)
+            if deadline is not None:  # it waited: since deadline - dirty_wait_s
+                self.fill_wait_s += time.monotonic() - deadline + self.cfg.nvme.dirty_wait_s
+            self.flush_events()  # room may have been made by eviction
             return fill
 
-    def commit(self, fill_id: int, ok: Sequence[bool] | None = None, *, owner: str = "local") -> int:
+    def _wait_for_writer(self, pool: str, busy: PoolBusy, deadline: float | None) -> float:
+        """Wait (lock released) until the persister settles a batch or the deadline passes."""
+        if deadline is None:
+            deadline = time.monotonic() + self.cfg.nvme.dirty_wait_s
+            self.num_fill_waits += 1
+        left = deadline - time.monotonic()
+        if left > 0:
+            self._fill_demand[pool] += busy.shortfall
+            self.persister.wake.set()
+            try:
+                self.written.wait(left)
+            finally:
+                self._fill_demand[pool] -= busy.shortfall
+        else:
+            log.warning("pool %r: the NVMe writer is behind; dropping up to %d dirty pages after %.1f s",
+                        pool, busy.shortfall, self.cfg.nvme.dirty_wait_s)
+        return deadline
+
+    def spill_demand(self, pool: str) -> int:
+        """Pages the spill policy should write now: what eviction wants next (call under the lock)."""
+        return max(self.pools[pool].over_watermark(), self._fill_demand[pool])
+
+    def commit(self, fill_id: int, ok: Sequence[bool] | None = None, *, owner: str = "local",
+               clean: bool = False) -> int:
+        """Make a fill's pages visible (`ok`: per page, False frees it). `clean`: the pages were read
+        from NVMe, which keeps them, so the persister has nothing to write."""
         if self.cfg.page_digests:
             self._digest_fill(fill_id, ok)
         with self.lock:
-            n = self.claims.commit(fill_id, owner=owner, ok=ok)
-            self._flush_events()
-            return n
+            n = self.claims.commit(fill_id, owner=owner, ok=ok, now=self.clock(), clean=clean)
+            self.flush_events()
+        if n and self.disks and not clean:
+            self.persister.wake.set()
+        return n
 
     def _digest_fill(self, fill_id: int, ok: Sequence[bool] | None) -> None:
         """Digest the pages a fill is about to make visible: a pull checks its bytes against it, so
@@ -288,18 +346,26 @@ class Runner:
         with self.lock:
             claim = self.claims.peek(claim_id)
             result = self.claims.release(claim_id, owner=owner)
-            self._flush_events()
+            self.flush_events()
         if drop > 0 and claim is not None:
             moved = [p.key for p, live in zip(claim.pages[:drop], result.live) if live]
             self.remove(claim.pool.name, moved)
         return result
 
     def _maybe_promote(self, pool: str, keys: Sequence[str]) -> None:
-        if pool in self.disks and self.cfg.nvme.promote:
+        """Promote the NVMe run that continues the DRAM run; the DRAM run stays pinned meanwhile,
+        so making room never evicts the head of the chain being completed."""
+        if pool not in self.disks or not self.cfg.nvme.promote:
+            return
+        with self.lock:
+            p = self.pool(pool)
+            head = p.pin_prefix(keys, len(keys))
+        try:
+            if len(head) < len(keys):
+                self.promote(pool, keys[len(head):])
+        finally:
             with self.lock:
-                in_dram = self.pool(pool).leading_ready(keys)
-            if in_dram < len(keys):
-                self.promote(pool, keys[in_dram:])
+                p.unpin(head)
 
     def promote(self, pool: str, keys: Sequence[str]) -> int:
         """Copy the leading run of `keys` found on NVMe into DRAM. Returns pages promoted."""
@@ -325,8 +391,9 @@ class Runner:
             ok = [False] * n
             raise
         finally:
-            committed = self.commit(fill.fill_id, ok)
+            committed = self.commit(fill.fill_id, ok, clean=True)
         with self.lock:
+            self.pool(pool).mark_clean(keys[:n])  # pages another fill committed meanwhile: NVMe has them
             self.num_promoted += committed
         return next((i for i, good in enumerate(ok) if not good), n)
 
@@ -371,7 +438,7 @@ class Runner:
                 # The transfer may still write into these slots: never hand them out again.
                 with self.lock:
                     self.num_uncertain += self.claims.quarantine(fill.fill_id, owner="local")
-                    self._flush_events()
+                    self.flush_events()
             else:
                 ok = [i < result.delivered for i in range(len(fill.pages))]
                 committed = self.commit(fill.fill_id, ok)
@@ -384,38 +451,14 @@ class Runner:
         with self.lock:
             self.num_pulled += pages
 
-    def spill(self, pool: str) -> int:
-        """Evict DRAM down to the low watermark, writing pages NVMe lacks to NVMe first."""
-        p, disk = self.pool(pool), self.disks.get(pool)
-        with self.lock:
-            used, high = p.num_used(), int(p.capacity * self.cfg.dram.high_watermark)
-            if used <= high:
-                return 0
-            keys = p.lru_keys(used - int(p.capacity * self.cfg.dram.low_watermark))
-            pages = p.pin_prefix(keys, len(keys))  # internal pin: not subject to the claim limit
-            todo = [pg for pg in pages if disk is not None and disk.name(pg.key[:64]) not in disk.index]
-        written: list[bool] = []
-        try:
-            if todo:
-                written = disk.write([pg.key[:64] for pg in todo], [self.slot_view(pool, pg) for pg in todo],
-                                     [pg.announce for pg in todo])
-        finally:
-            failed = {pg.key for pg, ok in zip(todo, written or [False] * len(todo)) if not ok}
-            with self.lock:
-                p.unpin(pages)
-                # A page the disk refused stays in DRAM: dropping it here would lose it.
-                removed = p.remove([pg.key for pg in pages if pg.key not in failed])
-                p.num_evicted += removed
-                self.num_spilled += len(todo) - len(failed)
-                self._flush_events()
-        return removed
-
     def persist(self, pool: str, keys: Sequence[str]) -> int:
         """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
         disk = self.disks[pool]
         with self.pinned(pool, keys) as pages:
             results = disk.write([pg.key[:64] for pg in pages], [self.slot_view(pool, pg) for pg in pages],
                                  [pg.announce for pg in pages])
+            with self.lock:
+                self.pool(pool).mark_clean([pg.key for pg, ok in zip(pages, results) if ok])
         return sum(results)
 
     @contextmanager
@@ -435,7 +478,7 @@ class Runner:
         finally:
             with self.lock:
                 p.unpin(pages)
-                self._flush_events()
+                self.flush_events()
 
     def pin_claimed(self, claim_id: int, owner: str, ranges: Sequence[tuple[int, int]]
                     ) -> tuple[PagePool, list[Page]] | None:
@@ -457,7 +500,7 @@ class Runner:
     def unpin(self, pool: PagePool, pages: Sequence[Page]) -> None:
         with self.lock:
             pool.unpin(pages)
-            self._flush_events()
+            self.flush_events()
 
     def get(self, pool: str, keys: Sequence[str]) -> list[bytes]:
         """Copies of the leading run of present pages (shorter than `keys` on a miss)."""
@@ -477,14 +520,29 @@ class Runner:
             return len(pages)
 
     def housekeeping(self) -> None:
-        """Lease expiry, DRAM spill to NVMe and NVMe watermark eviction (one pass)."""
+        """Lease expiry and NVMe watermark eviction (one pass); the persister writes DRAM pages."""
         self.expire()
         with self.lock:
             self.hints.expire(self.clock())
-        for name, disk in self.disks.items():
-            if self.spilling:
-                self.spill(name)
+        for disk in self.disks.values():
             disk.evict_to_watermark()
+        if self.disks and not self.persister.is_alive():
+            log.error("the NVMe persister thread is gone; restarting it")
+            self.persister = Persister(self, policy=self.cfg.nvme.write_policy,
+                                       batch=self.cfg.nvme.write_batch).start()
+
+    @property
+    def num_spilled(self) -> int:
+        """DRAM pages written to NVMe (write-behind or spill)."""
+        return self.persister.num_written
+
+    def dropped(self) -> dict[tuple[str, str, str], int]:
+        """Pages a tier let go that no tier below kept: (pool, tier, reason) -> count (under the lock).
+        NVMe is the last tier: each page it evicts is dropped."""
+        out = {(name, "dram", reason): n for name, p in self.pools.items() for reason, n in p.dropped.items()}
+        for name, disk in self.disks.items():
+            out[(name, "nvme", "evicted")] = disk.index.num_evicted
+        return out
 
     # --- inventory ---------------------------------------------------------------------------
 
@@ -492,7 +550,7 @@ class Runner:
         """Drop pages from every tier. Returns pages removed from DRAM plus pages removed from NVMe."""
         with self.lock:
             n = self.pool(pool).remove(keys)
-            self._flush_events()
+            self.flush_events()
         if pool in self.disks:
             n += self.disks[pool].remove([k[:64] for k in keys])
         return n
@@ -523,7 +581,7 @@ class Runner:
 
         Our pending events go out first, so the stream keeps the order in which state changed."""
         with self.lock:
-            self._flush_events()
+            self.flush_events()
             if step.resync:
                 self._publish([AllBlocksCleared(), *self.inventory(), *step.events])
             elif step.events:
@@ -539,11 +597,28 @@ class Runner:
             gone = self.claims.expire(self.clock(), writer_alive=_pid_alive)
             for item_id in gone:  # a rank that never wrote its shard: the page is gone with the fill
                 self.shard_groups.close(item_id)
-            self._flush_events()
+            self.flush_events()
             return gone
 
+    def flush_to_nvme(self) -> tuple[float, int, int]:
+        """Write every dirty DRAM page to NVMe within nvme.flush_timeout_s (at shutdown); returns
+        (seconds, pages written, pages left) and logs what did not make it."""
+        t0 = time.monotonic()
+        written, left = self.persister.flush(self.cfg.nvme.flush_timeout_s)
+        self.shutdown_flush = (time.monotonic() - t0, written, left)
+        if left:
+            log.warning("NVMe flush at shutdown: %d dirty pages not written within nvme.flush_timeout_s = %.1f s "
+                        "(lost with DRAM)", left, self.cfg.nvme.flush_timeout_s)
+        elif written:
+            log.info("NVMe flush at shutdown: %d pages written in %.2f s", written, self.shutdown_flush[0])
+        return self.shutdown_flush
+
     def shutdown(self) -> None:
-        """Announce the removal of everything held, then unmap and unlink the region."""
+        """Flush dirty pages to NVMe, announce the removal of everything held, then unmap and
+        unlink the region."""
+        if self.disks:
+            self.flush_to_nvme()
+        self.persister.stop()
         for disk in self.disks.values():
             disk.close()
         with self.lock:
@@ -551,7 +626,7 @@ class Runner:
                 pool.clear()
             for disk in self.disks.values():
                 disk.index.clear()  # the files stay; a restarted runner re-announces them
-            self._flush_events()
+            self.flush_events()
         self.view.release()
         self.region.close()
 

@@ -94,6 +94,8 @@ class Service:
         problems = [p.health() for p in parts]
         if not self._housekeeper.is_alive() and not self.stopped.is_set():
             problems.append("housekeeping thread is gone")
+        if self.runner.disks and not self.runner.persister.is_alive() and not self.stopped.is_set():
+            problems.append("NVMe persister thread is gone")
         return [p for p in problems if p]
 
     def info(self) -> dict:
@@ -132,6 +134,8 @@ class Service:
         self.control.stop()
         if self.relay is not None:
             self.relay.stop()
+        if self.runner.disks:  # nothing commits now; /metrics shows the flush while it runs
+            self.runner.flush_to_nvme()
         self.http.stop()
         if self.plane is not None:
             self.runner.puller.close()

@@ -97,8 +97,80 @@ def eacces(root):
     return json.loads(raw)
 
 
+def burst_runner(root):
+    """A runner with 32 DRAM slots of 64 KiB writing behind to `root`, and a put helper per request."""
+    import random
+
+    from kvcr.config import load_config
+    from kvcr.proto.announce import announce_request
+    from kvcr.proto.keys import request_page_hashes
+    from kvcr.runner import Runner
+
+    cfg = load_config(None, {"runner.name": "fault", "runner.block_size": 4, "dram.size": 32 * PAGE,
+                             "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "nvme.storage_dir": root,
+                             "nvme.dirty_wait_s": 0.2})
+    events = []
+    runner = Runner(cfg, publish=events.extend)
+    requests = []
+
+    def put(seed):
+        rng = random.Random(seed)
+        tokens = [rng.randrange(30000) for _ in range(16 * 4)]
+        hexes, ann = request_page_hashes(tokens, 4), announce_request(tokens, 4)
+        data = [rng.randbytes(PAGE) for _ in hexes]
+        runner.put("kv", runner.keys("kv", hexes), data, ann)
+        requests.append((hexes, data))
+
+    return runner, put, requests, events
+
+
+def announced_pages_intact(runner, requests):
+    """Every page NVMe announces has a whole file with the bytes that were stored."""
+    disk = runner.disks["kv"]
+    stored = {h: d for hexes, data in requests for h, d in zip(hexes, data)}
+    with runner.lock:
+        names = [e.name for e in disk.index.entries()]
+    for name in names:
+        buf = bytearray(PAGE)
+        if disk.read_into([name[:64]], [memoryview(buf)]) != 1 or bytes(buf) != stored[name[:64]]:
+            return False
+    return True
+
+
+def burst_enospc(root):
+    runner, put, requests, _ = burst_runner(root)
+    for seed in range(4):  # 64 pages (4 MiB) behind 32 DRAM slots, into a 1 MiB tmpfs
+        put(seed)
+    runner.persister.flush(10)
+    disk, pool = runner.disks["kv"], runner.pools["kv"]
+    result = {"errors": dict(disk.errors), "dropped": dict(pool.dropped), "ready": pool.statistics().num_ready,
+              "on_disk": disk.index.statistics().num_pages, "intact": announced_pages_intact(runner, requests),
+              "tmp_left": [n for n in os.listdir(disk.dir) if n.endswith(".tmp")]}
+    runner.shutdown()
+    return result
+
+
+def burst_erofs(root):
+    runner, put, requests, _ = burst_runner(root)
+    put(0)
+    runner.persister.flush(10)
+    before = runner.disks["kv"].index.statistics().num_pages
+    subprocess.run(["mount", "-o", "remount,ro", root], check=True)
+    for seed in range(1, 4):
+        put(seed)
+    runner.persister.flush(10)
+    pool, disk = runner.pools["kv"], runner.disks["kv"]
+    first = requests[0]
+    result = {"before": before, "errors": dict(disk.errors), "dropped": dict(pool.dropped),
+              "first_request_back": runner.get("kv", runner.keys("kv", first[0])) == first[1],
+              "intact": announced_pages_intact(runner, requests)}
+    runner.shutdown()
+    return result
+
+
 if __name__ == "__main__":
     scenario, root, out = sys.argv[1:4]
-    result = {"enospc": enospc, "erofs": erofs, "eacces": eacces}[scenario](root)
+    result = {"enospc": enospc, "erofs": erofs, "eacces": eacces, "burst_enospc": burst_enospc,
+              "burst_erofs": burst_erofs}[scenario](root)
     with open(out, "w") as f:
         json.dump(result, f)

@@ -97,7 +97,7 @@ def test_a_hint_with_one_field_changed_parses_or_is_refused_by_name(endpoint, ha
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["runner", "dram", "events", "nvme", "namespace", "other"]),
                        st.dictionaries(st.sampled_from(["name", "size", "pools", "block_size", "control_endpoint",
-                                                        "lease_seconds", "http_host", "curve_public_key", "spill",
+                                                        "lease_seconds", "http_host", "curve_public_key", "write_policy",
                                                         "endpoint", "page_bytes", "storage_dir", "x"]), values,
                                        max_size=4) | values, max_size=4))
 def test_runner_configs_load_or_are_refused_by_name(raw):

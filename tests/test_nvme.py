@@ -15,6 +15,7 @@ from kvcr.proto.disk_index import DiskIndex
 from kvcr.proto.events import BlockRemoved, BlockStored
 from kvcr.proto.keys import Namespace, request_page_hashes
 from kvcr.runner import Runner
+from tests.conftest import wait_until
 
 BLOCK = 4
 PAGE = 8192
@@ -130,15 +131,49 @@ def test_scan_removes_partial_pages_and_stale_temps_and_leaves_foreign_files(tmp
     assert t2.index.statistics().num_corrupt == 1 and t2.read(hexes) == data[:1]
 
 
-def test_max_size_evicts_the_oldest_pages_between_the_watermarks(tmp_path):
+def reachable_from_a_root(index):
+    """Every announced page on disk continues a page on disk (or is a root)."""
+    entries = index.entries()
+    present = {e.announce.event_hash for e in entries if e.announce is not None}
+    return all(e.announce is None or e.announce.parent_hash in (None, *present) for e in entries)
+
+
+def test_max_size_evicts_the_least_recent_chain_tail_first_and_keeps_its_root(tmp_path):
     t = Tier(tmp_path, max_bytes=10 * PAGE, high=0.8, low=0.5)
-    hexes, ann, data = chain(10)
-    for i in range(10):
-        t.tier.write(hexes[i:i + 1], [memoryview(data[i])], ann[i:i + 1])
+    old, old_ann, old_data = chain(6, seed=1)
+    new, new_ann, new_data = chain(6, seed=2)
+    t.tier.write(old, [memoryview(d) for d in old_data], old_ann)
+    t.tier.write(new, [memoryview(d) for d in new_data], new_ann)
     stats = t.index.statistics()
-    assert stats.num_bytes <= 8 * PAGE and stats.num_evicted >= 4
-    assert t.tier.present(hexes[-1:]) == 1 and t.tier.present(hexes[:1]) == 0
+    assert stats.num_bytes <= 10 * PAGE and stats.num_evicted >= 2
+    kept = t.tier.present(old)
+    assert 1 <= kept < 6 and t.index.statistics().num_pages == kept + 6  # the old chain lost its tail only
+    assert t.tier.present(new) == 6 and reachable_from_a_root(t.index)
     assert len(list(t.tier.dir.glob("*.bin"))) == stats.num_pages
+
+
+def test_a_chain_longer_than_max_size_keeps_its_head_and_refuses_the_tail(tmp_path):
+    from kvcr.drivers.nvme import Written
+    t = Tier(tmp_path, max_bytes=10 * PAGE, high=0.8, low=0.5)
+    hexes, ann, data = chain(12)
+    outcomes = [t.tier.write_pages(hexes[i:i + 1], [memoryview(data[i])], ann[i:i + 1])[0] for i in range(12)]
+    assert outcomes == [Written.WRITTEN] * 10 + [Written.FULL] * 2  # a parent outlives its children
+    assert t.tier.present(hexes) == 10 and t.index.num_refused_full == 2 and t.index.num_evicted == 0
+
+
+def test_a_restart_announces_pages_root_first_whatever_order_they_were_written_in(tmp_path):
+    t = Tier(tmp_path)
+    hexes, ann, data = chain(6, seed=3)
+    for i in reversed(range(6)):  # tails first, as a spill would write them
+        t.tier.write(hexes[i:i + 1], [memoryview(data[i])], ann[i:i + 1])
+    t.tier.close()
+    t2 = Tier(tmp_path)
+    t2.tier.scan()
+    stored = [e for e in t2.events if isinstance(e, BlockStored)]
+    assert stored[0].parent_block_hash is None
+    assert [h for e in stored for h in e.block_hashes] == [a.event_hash for a in ann]
+    inventory = t2.index.inventory()
+    assert len(inventory) == 1 and inventory[0].block_hashes == tuple(a.event_hash for a in ann)
 
 
 def _race_writer(root, payload_byte, out):
@@ -182,29 +217,32 @@ def test_keys_that_are_not_page_hashes_never_reach_the_filesystem(tmp_path):
 
 # --- the tier inside a runner: spill and promotion ---------------------------------------------------
 
-@pytest.fixture
-def nvme_runner(tmp_path):
+@pytest.fixture(params=["write_behind", "spill"])
+def nvme_runner(tmp_path, request):
     events = []
     cfg = load_config(None, {"runner.name": "nv", "runner.block_size": BLOCK, "dram.size": 8 * PAGE,
                              "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "dram.high_watermark": 0.75,
-                             "dram.low_watermark": 0.5, "nvme.storage_dir": str(tmp_path)})
+                             "dram.low_watermark": 0.5, "nvme.storage_dir": str(tmp_path),
+                             "nvme.write_policy": request.param})
     runner = Runner(cfg, publish=events.extend)
     yield runner, events
     runner.shutdown()
 
 
-def test_dram_eviction_spills_to_nvme_and_a_hit_is_promoted_back(nvme_runner):
+def test_dram_evicts_only_pages_nvme_holds_and_a_hit_is_promoted_back(nvme_runner):
     runner, events = nvme_runner
     hexes, ann, data = chain(8)
     keys = [runner.key("kv", h) for h in hexes]
     runner.put("kv", keys[:7], data[:7], ann[:7])
-    assert runner.spill("kv") == 3  # 7 used > 6 (high) -> down to 4 (low), oldest first
-    disk = runner.disks["kv"]
-    assert disk.present(hexes) == 0 and disk.present(hexes[4:7]) == 3  # the chain's tail went to NVMe
-    media = [(e.medium, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)]
-    assert ("DISK", 3) in media or sum(n for m, n in media if m == "DISK") == 3
+    pool, disk = runner.pools["kv"], runner.disks["kv"]
+    # 7 used > 6 (high): down to 4 (low) once written. Spill writes the 3 tails with their ancestors.
+    wait_until(lambda: pool.statistics().num_ready == 4, 10, 0.01, "DRAM down to its low watermark")
+    assert disk.present(hexes) == 7 and pool.leading_ready(keys) == 4 and not pool.dropped
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert stored[0].parent_block_hash is None and sum(len(e.block_hashes) for e in stored) == 7
     assert runner.get("kv", keys[:7]) == data[:7]  # DRAM run, then promoted NVMe run
-    assert runner.num_promoted == 3
+    assert runner.num_promoted == 3 and runner.num_spilled == 7
+    assert runner.persister.flush(5) == (0, 0)  # promoted pages are clean: nothing to write again
 
 
 def test_promotion_refuses_a_corrupt_nvme_page(nvme_runner):

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare")
                                 reason="needs root and unshare to make real faults")
 
 
-def run_in_tmpfs(scenario, tmp_path):
+def run_in_tmpfs(scenario, tmp_path, size="1m"):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     out = tmp_path / "result.json"
-    script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && "
+    script = (f"mount -t tmpfs -o size={size} tmpfs {mnt} && "
               f"{sys.executable} -m tests.nvme_fault_child {scenario} {mnt} {out}")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
@@ -43,6 +43,21 @@ def test_a_read_only_filesystem_refuses_writes_and_still_serves_reads(tmp_path):
     r = run_in_tmpfs("erofs", tmp_path)
     assert r["before"] == [True, True, True] and r["refused"] == [False]
     assert r["errors"] == {"EROFS": 1} and r["intact"]
+
+
+def test_a_disk_that_fills_during_write_behind_leaves_fills_working_and_drops_counted(tmp_path):
+    r = run_in_tmpfs("burst_enospc", tmp_path)
+    assert r["errors"].get("ENOSPC", 0) >= 1 and 1 <= r["on_disk"] < 64
+    assert r["ready"] == 32  # every put succeeded: DRAM kept working
+    assert r["dropped"].get("nvme_write_failed", 0) >= 1  # what neither tier kept is counted, by name
+    assert r["on_disk"] + r["ready"] + sum(r["dropped"].values()) >= 64
+    assert r["intact"] and r["tmp_left"] == []
+
+
+def test_a_disk_turning_read_only_during_write_behind_keeps_what_it_has_and_counts_the_rest(tmp_path):
+    r = run_in_tmpfs("burst_erofs", tmp_path, size="4m")
+    assert r["before"] == 16 and r["errors"].get("EROFS", 0) >= 1
+    assert r["dropped"].get("nvme_write_failed", 0) >= 1 and r["first_request_back"] and r["intact"]
 
 
 def test_permission_denied_is_a_counted_failure_and_reads_still_work(tmp_path):

@@ -63,7 +63,9 @@ def test_a_runner_restart_serves_and_reannounces_what_survived_on_disk(runner_fa
     from tests.dynamo import registered_runner
     from tests.test_service import BLOCK, pages_for
 
-    proc, info, reg = registered_runner(indexer, runner_factory, **{"nvme.storage_dir": str(tmp_path / "nvme")})
+    # Spill policy with room to spare: only the pages Persist writes through reach NVMe.
+    proc, info, reg = registered_runner(indexer, runner_factory, **{"nvme.storage_dir": str(tmp_path / "nvme"),
+                                                                    "nvme.write_policy": "spill"})
     keys, ann, data = pages_for(6, seed=31, page_bytes=4096)
     tokens = [t for a in ann for t in a.token_ids]
     with ControlClient(info["endpoints"]["control"]) as client:

@@ -265,3 +265,82 @@ def test_quarantined_slots_are_never_reused_but_their_keys_are_free_again():
     ClaimTable(max_claim_fraction=1.0).claim(pool, keys[:1], owner="o", lease_s=5, now=0)
     with pytest.raises(PoolExhausted):
         pool.begin_fill(*chain(1, start=99))  # the quarantined slot is gone for good
+
+
+# --- a tier below: DIRTY and CLEAN pages ------------------------------------------------------------
+
+def write_all(pool, keep=None):
+    """The writer's round trip: take every dirty page, settle it as `keep` (CLEAN by default)."""
+    from kvcr.proto.pool import Keep
+    pages = pool.take_dirty(pool.capacity)
+    pool.settle_written(pages, [keep or Keep.CLEAN] * len(pages))
+    return pages
+
+
+def test_committed_pages_wait_dirty_for_the_tier_below_oldest_first():
+    pool = make_pool(slots=8, lower=True)
+    a, a_ann = chain(2)
+    b, b_ann = chain(2, start=500)
+    pages_a = pool.begin_fill(a, a_ann)
+    pool.commit_fill(pages_a, now=1.0)
+    store(pool, b, b_ann)
+    assert pool.num_dirty == 4 and pool.oldest_dirty_since() == 1.0
+    assert [p.key for p in pool.take_dirty(3)] == [*a, b[0]]  # commit order: parents first
+    assert pool.num_dirty == 4 and pool.statistics().num_claimed == 3  # taken pages are pinned while written
+
+
+def test_eviction_takes_clean_pages_and_waits_rather_than_drop_dirty_ones():
+    from kvcr.proto.pool import Keep, PoolBusy
+    pool = make_pool(slots=4, lower=True)
+    a, a_ann = chain(2)
+    store(pool, a, a_ann)
+    write_all(pool)
+    b, b_ann = chain(2, start=500)
+    store(pool, b, b_ann)
+    c, c_ann = chain(2, start=900)
+    store(pool, c, c_ann)  # room from the clean pages: nothing lost (NVMe has them)
+    assert pool.leading_ready(a) == 0 and pool.leading_ready(b) == 2 and not pool.dropped
+    d, d_ann = chain(1, start=1300)
+    with pytest.raises(PoolBusy) as busy:
+        pool.begin_fill(d, d_ann)  # only dirty pages left
+    assert busy.value.shortfall == 1 and pool.leading_ready(b) == 2
+    pool.commit_fill(pool.begin_fill(d, d_ann, evict_dirty=True))  # the wait ran out: drop, counted
+    assert pool.dropped == {Keep.DIRTY.value: 1} and pool.leading_ready(b) == 1
+
+
+@pytest.mark.parametrize("keep", ["WRITE_FAILED", "LOWER_FULL"])
+def test_a_page_the_tier_below_refused_is_evicted_without_waiting_and_counted_by_reason(keep):
+    from kvcr.proto.pool import Keep
+    pool = make_pool(slots=2, lower=True)
+    a, a_ann = chain(2)
+    store(pool, a, a_ann)
+    write_all(pool, Keep[keep])
+    store(pool, *chain(1, start=500))
+    assert pool.dropped == {Keep[keep].value: 1}
+
+
+def test_a_page_whose_nvme_copy_was_evicted_is_counted_when_dram_drops_it():
+    from kvcr.proto.pool import Keep
+    pool = make_pool(slots=2, lower=True)
+    a, a_ann = chain(2)
+    store(pool, a, a_ann)
+    write_all(pool)
+    pool.mark_unkept(a[1:], Keep.LOWER_EVICTED)
+    store(pool, *chain(2, start=500))
+    assert pool.dropped == {"nvme_evicted": 1}
+
+
+def test_spill_order_writes_the_least_recent_tail_with_its_dirty_ancestors_root_first():
+    pool = make_pool(slots=8, lower=True)
+    a, a_ann = chain(3)
+    b, b_ann = chain(2, start=500)
+    store(pool, a, a_ann)
+    store(pool, b, b_ann)
+    assert [p.key for p in pool.take_dirty(1, lru=True)] == a  # LRU: a's tail, whose parents come first
+
+
+def test_a_pool_without_a_tier_below_counts_every_eviction_as_a_drop():
+    pool = make_pool(slots=2)
+    store(pool, *chain(2))
+    store(pool, *chain(1, start=500))
+    assert pool.num_dirty == 0 and pool.dropped == {"no_lower_tier": 1}

@@ -10,6 +10,7 @@ module performs them and reports back, under the owner's lock.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import fcntl
 import json
@@ -30,7 +31,7 @@ import msgpack
 import xxhash
 
 from ..proto.announce import Announce
-from ..proto.disk_index import DiskEntry, DiskIndex
+from ..proto.disk_index import DiskEntry, DiskFull, DiskIndex, root_first
 from ..proto.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,15 @@ VERIFY_MODES = ("first_read", "always", "never")
 
 class DiskError(RuntimeError):
     pass
+
+
+class Written(enum.Enum):
+    """What a page write ended as."""
+
+    WRITTEN = "written"
+    PRESENT = "present"  # on disk already (ours, or another writer won the race): not rewritten
+    FULL = "nvme_full"   # nvme.max_size holds only this page's ancestors and pages being written
+    FAILED = "nvme_write_failed"
 
 
 def hicache_suffix(ns: Namespace) -> str:
@@ -182,7 +192,7 @@ class DiskTier:
         own writes commit to the index before they append, so the snapshot has them."""
         with self._manifest_locked():
             with self.lock:
-                entries = self.index.entries()
+                entries = self.index.entries_root_first()
             records = [["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
                        for e in entries if e.digest is not None]
             # Records other processes appended since our scan are kept as they are.
@@ -198,19 +208,40 @@ class DiskTier:
     def write(self, page_hexes: Sequence[str], views: Sequence[memoryview],
               announces: Sequence[Announce | None] | None = None) -> list[bool]:
         """Publish pages (parallel); True per page that is on disk afterwards."""
-        results = self._fan_out(self._writers, self._write_one, [self.name(h) for h in page_hexes], list(views),
-                                list(announces) if announces else [None] * len(page_hexes))
-        # Record and commit in chain order, in one step: parents are announced (and re-announced
-        # after a restart, in manifest order) before their children.
+        return [w in (Written.WRITTEN, Written.PRESENT) for w in self.write_pages(page_hexes, views, announces)]
+
+    def write_pages(self, page_hexes: Sequence[str], views: Sequence[memoryview],
+                    announces: Sequence[Announce | None] | None = None) -> list[Written]:
+        """Publish pages in chain order (the I/O in parallel); what became of each.
+
+        Reservations are made here, in order, so a child reserved in the same batch as its parent
+        knows the parent is coming (see DiskIndex.reserve)."""
+        names = [self.name(h) for h in page_hexes]
+        announces = list(announces) if announces else [None] * len(names)
+        with self.lock:
+            plans = [self._reserve(n, v, a) for n, v, a in zip(names, views, announces)]
+        self._unlink([victim for plan in plans if isinstance(plan, list) for victim in plan])
+        results = self._fan_out(self._writers, self._write_one, names, list(views), announces, plans)
+        # Record and commit in chain order, in one step: parents are announced before their children.
         published = [r for r in results if isinstance(r, DiskEntry)]
         self._append_manifest([["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
                                for e in published])
         with self.lock:
-            for result in results:
-                if isinstance(result, DiskEntry):
-                    self.index.commit(result.name, result)
+            self.index.commit_batch(published)
         self.flush()
-        return [r is not False for r in results]
+        return [Written.WRITTEN if isinstance(r, DiskEntry) else r for r in results]
+
+    def _reserve(self, name: str, view: memoryview, announce: Announce | None) -> list[DiskEntry] | Written:
+        """Under the lock: the pages to evict for this write, or why it will not be made."""
+        if len(view) != self.page_bytes:
+            log.error("nvme write of %s refused: %d bytes; the tier stores %d-byte pages", name, len(view),
+                      self.page_bytes)
+            return Written.FAILED
+        try:
+            victims = self.index.reserve(name, len(view), announce)
+        except DiskFull:
+            return Written.FULL
+        return Written.PRESENT if victims is None else victims
 
     def _fan_out(self, pool: ThreadPoolExecutor, fn: Callable, *columns: list) -> list:
         """fn over the rows of `columns` on the pool, one contiguous chunk per worker (few hand-offs)."""
@@ -226,26 +257,21 @@ class DiskTier:
         futures = [pool.submit(chunk, bounds[i], bounds[i + 1]) for i in range(workers)]
         return [r for f in futures for r in f.result()]
 
-    def _write_one(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | bool:
-        """The published entry (to commit), True if someone else holds the page, False on failure."""
+    def _write_one(self, name: str, view: memoryview, announce: Announce | None,
+                   plan: list[DiskEntry] | Written) -> DiskEntry | Written:
+        """The published entry (to commit), or what else became of the write."""
+        if isinstance(plan, Written):
+            return plan
         try:
             return self._write_page(name, view, announce)
-        except OSError:
-            raise  # _write_page handled it
         except Exception:  # never leave the name reserved: it would read as "present" forever
             log.exception("nvme write of %s failed", name)
             with self.lock:
                 self.index.abort(name)
-            return False
+            return Written.FAILED
 
-    def _write_page(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | bool:
-        if len(view) != self.page_bytes:
-            raise DiskError(f"page {name} is {len(view)} bytes; the tier stores {self.page_bytes}-byte pages")
-        with self.lock:
-            victims = self.index.reserve(name, len(view))
-        if victims is None:
-            return True  # present, or another thread is writing it
-        self._unlink(victims)
+    def _write_page(self, name: str, view: memoryview, announce: Announce | None) -> DiskEntry | Written:
+        """Write a reserved page to a temporary file and publish it under its name."""
         t0 = time.perf_counter()
         tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
         created = False
@@ -267,21 +293,21 @@ class DiskTier:
                 self.num_lost_races += 1
                 with self.lock:
                     self.index.abort(name)
-                return True
+                return Written.PRESENT
             self.write_latency.observe(time.perf_counter() - t0)
             return DiskEntry(name, len(view), page_digest, announce, (st.st_ino, st.st_mtime_ns))
         except OSError as exc:
-            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            self._count_error(exc)
             log.warning("nvme write of %s failed: %s", name, exc)
             with self.lock:
                 self.index.abort(name)
-            return False
+            return Written.FAILED
         finally:
             if created:
                 try:
                     os.unlink(tmp)
                 except OSError as exc:  # e.g. the filesystem went read-only meanwhile
-                    self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+                    self._count_error(exc)
 
     def _make_room(self, size: int) -> None:
         if not self.min_free_space:
@@ -296,6 +322,9 @@ class DiskTier:
             if st.f_bavail * st.f_frsize - size < self.min_free_space:
                 raise OSError(errno.ENOSPC, f"nvme.min_free_space = {self.min_free_space} bytes would be crossed")
 
+    def _count_error(self, exc: OSError) -> None:
+        self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+
     def _unlink(self, entries: Sequence[DiskEntry]) -> None:
         for entry in entries:
             try:
@@ -303,7 +332,7 @@ class DiskTier:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+                self._count_error(exc)
         self._append_manifest([["del", e.name] for e in entries if e.digest is not None])
 
     def evict_to_watermark(self) -> int:
@@ -365,13 +394,13 @@ class DiskTier:
                 self.index.remove([name])
             return False
         except OSError as exc:
-            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            self._count_error(exc)
             return False
         try:
             st = os.fstat(fd)
             got = _pread_all(fd, buf[:self.page_bytes]) if st.st_size == self.page_bytes else -1
         except OSError as exc:
-            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            self._count_error(exc)
             return False
         finally:
             os.close(fd)
@@ -400,23 +429,24 @@ class DiskTier:
     def scan(self) -> None:
         """Rebuild the inventory from disk, announcing pages in batches as it goes.
 
-        Pages we wrote are adopted in manifest (write) order, so parents are announced before
-        their children; then the directory is swept for pages other programs wrote, abandoned
+        Pages we wrote are adopted roots first, so parents are announced before their children
+        (a consumer that replays or takes a snapshot meanwhile sees whole chains); then the directory is swept for pages other programs wrote, abandoned
         temporary files and foreign files.
         """
         try:
             manifest = self.read_manifest()
-            batch: list[DiskEntry] = []
+            found: list[DiskEntry] = []
             for name, (size, page_digest, announce) in manifest.items():
                 if not self._is_page_name(name):
                     self.errors["manifest_record"] += 1
                     continue
                 entry = self._check_file(name, size, DiskEntry(name, size, page_digest, announce))
                 if entry is not None:
-                    batch.append(entry)
-                if len(batch) >= SCAN_BATCH:
-                    self._adopt_batch(batch)
-            self._adopt_batch(batch)
+                    found.append(entry)
+            ordered = root_first(found)
+            for start in range(0, len(ordered), SCAN_BATCH):
+                self._adopt_batch(ordered[start:start + SCAN_BATCH])
+            batch: list[DiskEntry] = []
             with os.scandir(self.dir) as it:
                 for item in it:
                     try:
@@ -433,7 +463,7 @@ class DiskTier:
                             self.num_stale_temp_removed, self.dir)
             self.compact_manifest()
         except OSError as exc:
-            self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
+            self._count_error(exc)
             log.error("nvme scan of %s failed: %s", self.dir, exc)
         finally:
             self.scan_done.set()
@@ -477,6 +507,7 @@ class DiskTier:
         with self.lock:
             for entry in batch:
                 self.index.adopt(entry)
+            self.index.touch([e.name for e in batch])  # each chain's tail is evicted before its head
         batch.clear()
         self.flush()
 

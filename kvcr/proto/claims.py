@@ -153,17 +153,19 @@ class ClaimTable:
     # --- fill reservations ----------------------------------------------------------------------
 
     def reserve(self, pool: PagePool, keys: Sequence[str], announces: Sequence[Announce | None] | None, *,
-                owner: str, lease_s: float, now: float, writer_pid: int = 0) -> Fill:
-        pages = pool.begin_fill(keys, announces)
+                owner: str, lease_s: float, now: float, writer_pid: int = 0, evict_dirty: bool = False) -> Fill:
+        pages = pool.begin_fill(keys, announces, evict_dirty=evict_dirty)
         fill = Fill(self._new_id(now + lease_s), owner, pool, pages, lease_s, now + lease_s, writer_pid)
         self._fills[fill.fill_id] = fill
         return fill
 
-    def commit(self, fill_id: int, *, owner: str, ok: Sequence[bool] | None, abort: bool = False) -> int:
+    def commit(self, fill_id: int, *, owner: str, ok: Sequence[bool] | None, abort: bool = False,
+               now: float = 0.0, clean: bool = False) -> int:
         fill = self._fills.get(fill_id)
         if fill is None or fill.owner != owner:
             raise ClaimError(f"fill {fill_id} is not held by {owner!r} (committed, aborted or expired)")
-        n = fill.pool.commit_fill(fill.pages, [False] * len(fill.pages) if abort else ok)  # validates first
+        n = fill.pool.commit_fill(fill.pages, [False] * len(fill.pages) if abort else ok, now=now,
+                                  clean=clean)  # validates first
         del self._fills[fill_id]
         return n
 

@@ -6,12 +6,16 @@ same line that changes the index. The owner drains events with `take_events()`.
     FREE --begin_fill--> FILLING --commit ok--> READY --evict/remove--> FREE
                             |--commit failed/abort--> FREE        |--remove while claimed--> DISCARDING
                                                              DISCARDING --last unpin--> FREE
+
+With a tier below (`lower=True`), a READY page is also DIRTY (queued for that tier) or CLEAN
+(the tier holds it). Eviction takes clean pages first; a page it takes that the tier below does
+not hold is dropped, counted under the reason in its `Keep`. See docs/nvme.md.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Iterable, Sequence
@@ -32,6 +36,25 @@ class PageSizeError(PoolError):
     pass
 
 
+class PoolBusy(PoolExhausted):
+    """Room exists only in DIRTY pages: it appears once the writer has saved them (or they are dropped)."""
+
+    def __init__(self, message: str, shortfall: int) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall
+
+
+class Keep(enum.Enum):
+    """Whether the tier below holds a READY page; for the pages it does not, why (the drop reason)."""
+
+    NONE = "no_lower_tier"
+    DIRTY = "nvme_lagging"          # queued for the tier below, not written yet
+    CLEAN = "kept"                  # the tier below holds it: eviction loses nothing
+    WRITE_FAILED = "nvme_write_failed"
+    LOWER_FULL = "nvme_full"        # the tier below had room only for this page's ancestors
+    LOWER_EVICTED = "nvme_evicted"  # the tier below let its copy go
+
+
 class State(enum.Enum):
     FILLING = "filling"
     READY = "ready"
@@ -49,9 +72,10 @@ IN_FLIGHT = InFlight()
 
 
 class Page:
-    __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce", "digest")
+    __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce", "digest", "keep")
 
     def __init__(self, key: str, slot: int, generation: int, announce: Announce | None) -> None:
+        self.keep = Keep.NONE
         self.key = key
         self.slot = slot
         self.state = State.FILLING
@@ -72,11 +96,13 @@ class PoolStats:
     num_claimed: int
     page_bytes: int
     num_quarantined: int = 0
+    num_dirty: int = 0
 
 
 class PagePool:
     def __init__(self, name: str, *, page_bytes: int, num_slots: int, block_size: int,
-                 medium: str = "CPU_PINNED", high_watermark: float = 1.0, low_watermark: float = 1.0) -> None:
+                 medium: str = "CPU_PINNED", high_watermark: float = 1.0, low_watermark: float = 1.0,
+                 lower: bool = False) -> None:
         if num_slots < 1:
             raise PoolError(f"pool {name!r} has no room for a single {page_bytes}-byte page")
         if not 0 < low_watermark <= high_watermark <= 1.0:
@@ -94,6 +120,10 @@ class PagePool:
         self._discarding: dict[int, Page] = {}
         self._quarantined: list[int] = []  # slots a cancelled transfer may still write: never reused
         self._lru: OrderedDict[str, None] = OrderedDict()  # READY and unclaimed, oldest first
+        self.lower = lower
+        self._dirty: OrderedDict[str, float] = OrderedDict()  # DIRTY, not being written: key -> commit time
+        self.num_writing = 0  # DIRTY pages pinned by the writer
+        self.dropped: Counter[str] = Counter()  # pages evicted that no tier below kept, by Keep reason
         self._by_event_hash: dict[int, str] = {}
         self._events: list[Event] = []
         self.num_filling = 0
@@ -132,16 +162,26 @@ class PagePool:
 
     def statistics(self) -> PoolStats:
         return PoolStats(self.name, self.capacity, len(self._free), self.num_filling, self.num_ready,
-                         len(self._discarding), self.num_claimed, self.page_bytes, len(self._quarantined))
+                         len(self._discarding), self.num_claimed, self.page_bytes, len(self._quarantined),
+                         self.num_dirty)
+
+    @property
+    def num_dirty(self) -> int:
+        return len(self._dirty) + self.num_writing
+
+    def oldest_dirty_since(self) -> float | None:
+        """Commit time of the oldest page still queued for the tier below (write-behind lag)."""
+        return next(iter(self._dirty.values()), None)
 
     # --- filling ---------------------------------------------------------------------------
 
-    def begin_fill(self, keys: Sequence[str], announces: Sequence[Announce | None] | None = None
-                   ) -> list[Page | InFlight | None]:
+    def begin_fill(self, keys: Sequence[str], announces: Sequence[Announce | None] | None = None, *,
+                   evict_dirty: bool = False) -> list[Page | InFlight | None]:
         """Reserve a slot per new key; all or nothing. Per key: the new FILLING page, None if the
         page is READY already, IN_FLIGHT if another fill is writing it (it may still fail).
 
-        Raises PoolExhausted, naming the pool, when even eviction cannot make room.
+        Raises PoolExhausted, naming the pool, when even eviction cannot make room, and PoolBusy
+        when only DIRTY pages could make it and `evict_dirty` (drop them) is not set.
         """
         if announces is not None:
             if len(announces) != len(keys):
@@ -151,10 +191,7 @@ class PagePool:
         new = [k for k in wanted if k not in self._pages]
         shortfall = len(new) - len(self._free)
         if shortfall > 0:
-            if self._num_evictable(shortfall, protect=wanted) < shortfall:  # all or nothing: check first
-                raise PoolExhausted(f"pool {self.name!r} is full: {len(new)} pages needed, {len(self._free)} free, "
-                                    f"{self.num_claimed} claimed, {self.num_filling} filling")
-            self._evict(shortfall, protect=wanted)
+            self._make_room(shortfall, wanted, len(new), evict_dirty)
         position = {k: i for i, k in enumerate(keys)}
         made: dict[str, Page | InFlight] = {k: IN_FLIGHT for k in wanted if k in self._pages
                                             and self._pages[k].state is State.FILLING}
@@ -165,6 +202,20 @@ class PagePool:
             made[key] = self._pages[key] = Page(key, slot, self._generation[slot], announce)
         self.num_filling += len(new)
         return [made.pop(k, None) for k in keys]
+
+    def _make_room(self, shortfall: int, protect: dict, needed: int, evict_dirty: bool) -> None:
+        """Evict `shortfall` pages or none (all or nothing: counted first)."""
+        clean = self._num_evictable(shortfall, protect, dirty=False)
+        if clean < shortfall:
+            # Pages the writer holds come back (CLEAN) when its batch ends: worth waiting for too.
+            waitable = self._num_evictable(shortfall, protect, dirty=True) + (0 if evict_dirty else self.num_writing)
+            if waitable < shortfall:
+                raise PoolExhausted(f"pool {self.name!r} is full: {needed} pages needed, {len(self._free)} free, "
+                                    f"{self.num_claimed} claimed, {self.num_filling} filling")
+            if not evict_dirty:
+                raise PoolBusy(f"pool {self.name!r}: {shortfall - clean} more pages must be written to NVMe before "
+                               f"they can be evicted ({self.num_dirty} dirty)", shortfall - clean)
+        self._evict(shortfall, protect=protect, dirty=evict_dirty)
 
     def quarantine_fill(self, pages: Sequence[Page | InFlight | None]) -> int:
         """Give up FILLING pages whose slots may still be written by a transfer we could not stop:
@@ -187,8 +238,11 @@ class PagePool:
                 raise PageSizeError(f"pool {self.name!r}: a page announces {len(a.token_ids)} token ids for "
                                     f"{len(a.block_hashes)} block(s), block_size is {self.block_size}")
 
-    def commit_fill(self, pages: Sequence[Page | InFlight | None], ok: Sequence[bool] | None = None) -> int:
-        """Publish filled pages (READY + BlockStored) and free failed ones. Returns pages committed."""
+    def commit_fill(self, pages: Sequence[Page | InFlight | None], ok: Sequence[bool] | None = None, *,
+                    now: float = 0.0, clean: bool = False) -> int:
+        """Publish filled pages (READY + BlockStored) and free failed ones. Returns pages committed.
+        With a tier below, committed pages are queued for it (DIRTY since `now`), unless `clean`
+        (read from it)."""
         if ok is not None and (len(ok) != len(pages) or not all(isinstance(x, bool) for x in ok)):
             raise PageSizeError(f"pool {self.name!r}: commit needs one bool per page ({len(pages)}), got {ok!r}")
         committed: list[Page] = []
@@ -207,11 +261,17 @@ class PagePool:
             page.state = State.READY
             self.num_ready += 1
             committed.append(page)
+            if self.lower and clean:
+                page.keep = Keep.CLEAN
+            elif self.lower:
+                page.keep = Keep.DIRTY
+                self._dirty[page.key] = now
             if page.announce is not None:
                 self._by_event_hash[page.announce.event_hash] = page.key
         self._touch_chain(committed)
         self._events.extend(coalesce_stored(committed, self.block_size, self.medium))
-        self._evict_to_watermark()
+        # Pages read back from the tier below are about to be served: not the ones to evict now.
+        self._evict_to_watermark(protect={p.key for p in committed} if clean else frozenset())
         return len(committed)
 
     # --- reading and pinning ------------------------------------------------------------------
@@ -291,6 +351,7 @@ class PagePool:
         self.num_ready -= 1
         self._pages.pop(page.key, None)
         self._lru.pop(page.key, None)
+        self._dirty.pop(page.key, None)
         if page.announce is not None and self._by_event_hash.get(page.announce.event_hash) == page.key:
             del self._by_event_hash[page.announce.event_hash]
         if page.num_claims:
@@ -303,35 +364,121 @@ class PagePool:
         self._generation[slot] += 1
         self._free.append(slot)
 
-    def _num_evictable(self, n: int, protect: dict | set) -> int:
-        """How many of the oldest unclaimed READY pages outside `protect` exist, counting up to n."""
-        found = 0
-        for key in self._lru:
-            if found >= n:
-                break
-            found += key not in protect
-        return found
+    def _num_evictable(self, n: int, protect: dict | set, *, dirty: bool) -> int:
+        """How many unclaimed READY pages outside `protect` eviction may take (DIRTY ones only when
+        `dirty`), counting up to n."""
+        return len(self._victims(n, protect, dirty=dirty))
 
-    def _evict(self, n: int, protect: dict | set = frozenset()) -> int:
-        """Evict up to n unclaimed READY pages, oldest first, never one in `protect`."""
-        victims, spared = [], []
-        while len(victims) < n and self._lru:
-            key, _ = self._lru.popitem(last=False)
-            (spared if key in protect else victims).append(key)
-        for key in reversed(spared):
-            self._lru[key] = None
-            self._lru.move_to_end(key, last=False)
-        pages = [self._pages[k] for k in victims]
+    def _victims(self, n: int, protect: dict | set, *, dirty: bool) -> list[Page]:
+        """Up to n eviction victims, least recently used first within each class: CLEAN pages (the
+        tier below keeps them), then pages nothing keeps, then (when `dirty`) DIRTY ones."""
+        if not self.lower:  # every page is Keep.NONE: plain LRU
+            return [self._pages[k] for k in islice((k for k in self._lru if k not in protect), n)]
+        clean: list[Page] = []
+        unkept: list[Page] = []
+        queued: list[Page] = []
+        for key in self._lru:
+            if len(clean) >= n:
+                break
+            if key in protect:
+                continue
+            page = self._pages[key]
+            if page.keep is Keep.CLEAN:
+                clean.append(page)
+            elif page.keep is not Keep.DIRTY:
+                unkept.append(page)
+            elif dirty:
+                queued.append(page)
+        return (clean + unkept + queued)[:n]
+
+    def _evict(self, n: int, protect: dict | set = frozenset(), *, dirty: bool = False) -> int:
+        """Evict up to n unclaimed READY pages (see _victims), never one in `protect`."""
+        pages = self._victims(n, protect, dirty=dirty)
         for page in pages:
+            if page.keep is not Keep.CLEAN:
+                self.dropped[page.keep.value] += 1
             self._drop(page)
         self.num_evicted += len(pages)
         self._record_removed(pages)
         return len(pages)
 
-    def _evict_to_watermark(self) -> None:
+    def _evict_to_watermark(self, protect: set[str] = frozenset()) -> None:
         used = self.capacity - len(self._free)
         if used > self._high:
-            self._evict(used - self._low)
+            self._evict(used - self._low, protect)
+
+    def evict_to_watermark(self) -> int:
+        """Evict (never DIRTY pages) down to the low watermark when above the high one."""
+        before = self.num_evicted
+        self._evict_to_watermark()
+        return self.num_evicted - before
+
+    def over_watermark(self) -> int:
+        """Pages to evict to get from above the high watermark down to the low one (0: below it)."""
+        used = self.capacity - len(self._free)
+        return used - self._low if used > self._high else 0
+
+    # --- the tier below ------------------------------------------------------------------------
+
+    def take_dirty(self, n: int, *, lru: bool = False) -> list[Page]:
+        """Pin up to n DIRTY pages for the writer: oldest committed first (write-behind), or least
+        recently used first (`lru`: the ones eviction wants next). settle_written ends them."""
+        if lru:
+            keys = self._with_dirty_ancestors(list(islice((k for k in self._lru if k in self._dirty), n)))
+        else:
+            keys = list(islice(self._dirty, n))
+        pages = [self._pages[k] for k in keys]
+        for page in pages:
+            del self._dirty[page.key]
+            if page.num_claims == 0:
+                self._lru.pop(page.key, None)
+                self.num_claimed += 1
+            page.num_claims += 1
+        self.num_writing += len(pages)
+        return pages
+
+    def _with_dirty_ancestors(self, keys: list[str]) -> list[str]:
+        """`keys` with their DIRTY ancestors, each lineage root first: a spilled tail never reaches
+        the tier below before the pages it continues."""
+        out: list[str] = []
+        seen: set[str] = set()
+        for key in keys:
+            lineage = []
+            while key is not None and key not in seen and key in self._dirty:
+                seen.add(key)
+                lineage.append(key)
+                parent = self._pages[key].announce.parent_hash if self._pages[key].announce is not None else None
+                key = self._by_event_hash.get(parent) if parent is not None else None
+            out.extend(reversed(lineage))
+        return out
+
+    def settle_written(self, pages: Sequence[Page], keeps: Sequence[Keep]) -> None:
+        """The writer is done with pages from take_dirty: CLEAN where the tier below took them,
+        else the reason it did not (evicting them later drops them under that reason)."""
+        self.num_writing -= len(pages)
+        for page, keep in zip(pages, keeps):
+            if page.keep is Keep.DIRTY:
+                page.keep = keep
+        self.unpin(pages)
+        self._evict_to_watermark()
+
+    def mark_clean(self, keys: Iterable[str]) -> int:
+        """READY pages the tier below holds already (promoted from it): nothing to write."""
+        n = 0
+        for key in keys:
+            page = self._pages.get(key)
+            if page is not None and page.state is State.READY and key in self._dirty:
+                del self._dirty[key]
+                page.keep = Keep.CLEAN
+                n += 1
+        return n
+
+    def mark_unkept(self, keys: Iterable[str], keep: Keep) -> None:
+        """The tier below no longer holds these pages: evicting them now drops them (for `keep`)."""
+        for key in keys:
+            page = self._pages.get(key)
+            if page is not None and page.keep is Keep.CLEAN:
+                page.keep = keep
 
     def _record_removed(self, pages: Sequence[Page]) -> None:
         hashes = tuple(h for p in pages if p.announce is not None for h in p.announce.block_hashes)
