@@ -64,11 +64,12 @@ class Persister:
     def _write_pool(self, name: str) -> int:
         runner, disk = self.runner, self.runner.disks[name]
         pool = runner.pool(name)
+        batch = min(self.batch, max(1, pool.capacity // 4))  # never pin most of DRAM at once
         with runner.lock:
             if self.policy == SPILL and not self._flushing:
-                pages = pool.take_dirty(min(self.batch, runner.spill_demand(name)), lru=True)
+                pages = pool.take_dirty(min(batch, runner.spill_demand(name)), lru=True)
             else:
-                pages = pool.take_dirty(self.batch)
+                pages = pool.take_dirty(batch)
             if not pages:
                 return 0
             present = [disk.name(p.key[:64]) in disk.index for p in pages]

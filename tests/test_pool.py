@@ -286,7 +286,7 @@ def test_committed_pages_wait_dirty_for_the_tier_below_oldest_first():
     store(pool, b, b_ann)
     assert pool.num_dirty == 4 and pool.oldest_dirty_since() == 1.0
     assert [p.key for p in pool.take_dirty(3)] == [*a, b[0]]  # commit order: parents first
-    assert pool.num_dirty == 4 and pool.statistics().num_claimed == 3  # taken pages are pinned while written
+    assert pool.num_dirty == 4 and pool.num_writing == 3 and pool.statistics().num_claimed == 0  # not a use
 
 
 def test_eviction_takes_clean_pages_and_waits_rather_than_drop_dirty_ones():
@@ -344,3 +344,14 @@ def test_a_pool_without_a_tier_below_counts_every_eviction_as_a_drop():
     store(pool, *chain(2))
     store(pool, *chain(1, start=500))
     assert pool.num_dirty == 0 and pool.dropped == {"no_lower_tier": 1}
+
+
+def test_a_page_removed_while_the_writer_reads_it_keeps_its_slot_until_the_write_ends():
+    from kvcr.proto.pool import Keep
+    pool = make_pool(slots=2, lower=True)
+    a, a_ann = chain(2)
+    store(pool, a, a_ann)
+    taken = pool.take_dirty(1)
+    assert pool.remove(a) == 2 and pool.statistics().num_free == 1  # the taken page's slot is not reused
+    pool.settle_written(taken, [Keep.CLEAN])
+    assert pool.statistics().num_free == 2 and pool.statistics().num_discarding == 0

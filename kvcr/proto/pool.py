@@ -122,7 +122,9 @@ class PagePool:
         self._lru: OrderedDict[str, None] = OrderedDict()  # READY and unclaimed, oldest first
         self.lower = lower
         self._dirty: OrderedDict[str, float] = OrderedDict()  # DIRTY, not being written: key -> commit time
-        self.num_writing = 0  # DIRTY pages pinned by the writer
+        # DIRTY pages the writer is reading, by slot -> (page, commit time). They keep their LRU
+        # place (a write is not a use) but are never evicted or freed until settled.
+        self._in_flight: dict[int, tuple[Page, float]] = {}
         self.dropped: Counter[str] = Counter()  # pages evicted that no tier below kept, by Keep reason
         self._by_event_hash: dict[int, str] = {}
         self._events: list[Event] = []
@@ -166,12 +168,17 @@ class PagePool:
                          self.num_dirty)
 
     @property
+    def num_writing(self) -> int:
+        return len(self._in_flight)
+
+    @property
     def num_dirty(self) -> int:
-        return len(self._dirty) + self.num_writing
+        return len(self._dirty) + len(self._in_flight)
 
     def oldest_dirty_since(self) -> float | None:
-        """Commit time of the oldest page still queued for the tier below (write-behind lag)."""
-        return next(iter(self._dirty.values()), None)
+        """Commit time of the oldest page not yet in the tier below (write-behind lag)."""
+        times = [*(t for _, t in self._in_flight.values()), *islice(self._dirty.values(), 1)]
+        return min(times) if times else None
 
     # --- filling ---------------------------------------------------------------------------
 
@@ -317,11 +324,15 @@ class PagePool:
                 continue
             self.num_claimed -= 1
             if page.state is State.DISCARDING:
-                del self._discarding[page.slot]
-                self._free_slot(page.slot)
+                self._free_discarded(page)
             else:
                 released.append(page)
         self._touch_chain(released)
+
+    def _free_discarded(self, page: Page) -> None:
+        if page.num_claims == 0 and page.slot not in self._in_flight:
+            del self._discarding[page.slot]
+            self._free_slot(page.slot)
 
     def is_live(self, page: Page) -> bool:
         """True while the slot still holds this page's bytes (same generation, not freed)."""
@@ -354,7 +365,7 @@ class PagePool:
         self._dirty.pop(page.key, None)
         if page.announce is not None and self._by_event_hash.get(page.announce.event_hash) == page.key:
             del self._by_event_hash[page.announce.event_hash]
-        if page.num_claims:
+        if page.num_claims or page.slot in self._in_flight:
             page.state = State.DISCARDING
             self._discarding[page.slot] = page
         else:
@@ -374,6 +385,7 @@ class PagePool:
         tier below keeps them), then pages nothing keeps, then (when `dirty`) DIRTY ones."""
         if not self.lower:  # every page is Keep.NONE: plain LRU
             return [self._pages[k] for k in islice((k for k in self._lru if k not in protect), n)]
+        writing = self._in_flight
         clean: list[Page] = []
         unkept: list[Page] = []
         queued: list[Page] = []
@@ -383,6 +395,8 @@ class PagePool:
             if key in protect:
                 continue
             page = self._pages[key]
+            if page.slot in writing:
+                continue
             if page.keep is Keep.CLEAN:
                 clean.append(page)
             elif page.keep is not Keep.DIRTY:
@@ -393,7 +407,9 @@ class PagePool:
 
     def _evict(self, n: int, protect: dict | set = frozenset(), *, dirty: bool = False) -> int:
         """Evict up to n unclaimed READY pages (see _victims), never one in `protect`."""
-        pages = self._victims(n, protect, dirty=dirty)
+        return self._evict_pages(self._victims(n, protect, dirty=dirty))
+
+    def _evict_pages(self, pages: list[Page]) -> int:
         for page in pages:
             if page.keep is not Keep.CLEAN:
                 self.dropped[page.keep.value] += 1
@@ -403,9 +419,19 @@ class PagePool:
         return len(pages)
 
     def _evict_to_watermark(self, protect: set[str] = frozenset()) -> None:
+        """Evict down to the low watermark in strict LRU order: up to the first DIRTY page (it goes
+        once written), so a chain loses its tail first however its pages were written."""
         used = self.capacity - len(self._free)
-        if used > self._high:
-            self._evict(used - self._low, protect)
+        if used <= self._high:
+            return
+        victims: list[Page] = []
+        for key in self._lru:
+            page = self._pages[key]
+            if len(victims) >= used - self._low or page.keep is Keep.DIRTY:
+                break
+            if key not in protect:
+                victims.append(page)
+        self._evict_pages(victims)
 
     def evict_to_watermark(self) -> int:
         """Evict (never DIRTY pages) down to the low watermark when above the high one."""
@@ -421,7 +447,7 @@ class PagePool:
     # --- the tier below ------------------------------------------------------------------------
 
     def take_dirty(self, n: int, *, lru: bool = False) -> list[Page]:
-        """Pin up to n DIRTY pages for the writer: oldest committed first (write-behind), or least
+        """Hand up to n DIRTY pages to the writer: oldest committed first (write-behind), or least
         recently used first (`lru`: the ones eviction wants next). settle_written ends them."""
         if lru:
             keys = self._with_dirty_ancestors(list(islice((k for k in self._lru if k in self._dirty), n)))
@@ -429,12 +455,7 @@ class PagePool:
             keys = list(islice(self._dirty, n))
         pages = [self._pages[k] for k in keys]
         for page in pages:
-            del self._dirty[page.key]
-            if page.num_claims == 0:
-                self._lru.pop(page.key, None)
-                self.num_claimed += 1
-            page.num_claims += 1
-        self.num_writing += len(pages)
+            self._in_flight[page.slot] = (page, self._dirty.pop(page.key))
         return pages
 
     def _with_dirty_ancestors(self, keys: list[str]) -> list[str]:
@@ -455,11 +476,12 @@ class PagePool:
     def settle_written(self, pages: Sequence[Page], keeps: Sequence[Keep]) -> None:
         """The writer is done with pages from take_dirty: CLEAN where the tier below took them,
         else the reason it did not (evicting them later drops them under that reason)."""
-        self.num_writing -= len(pages)
         for page, keep in zip(pages, keeps):
-            if page.keep is Keep.DIRTY:
+            del self._in_flight[page.slot]
+            if page.state is State.DISCARDING:
+                self._free_discarded(page)
+            elif page.keep is Keep.DIRTY:
                 page.keep = keep
-        self.unpin(pages)
         self._evict_to_watermark()
 
     def mark_clean(self, keys: Iterable[str]) -> int:
