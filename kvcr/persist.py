@@ -102,20 +102,18 @@ class Persister:
 
     def flush(self, timeout_s: float) -> tuple[int, int]:
         """Write every dirty page (either policy) within `timeout_s`; returns (written, left)."""
-        self._flushing = True
+        self._flushing = True  # the thread, too, now writes whatever is dirty
         deadline = time.monotonic() + timeout_s
-        done = 0
+        before = self.num_written
         try:
             while time.monotonic() < deadline:
-                n = self.write_once()
-                if not n and not self._num_dirty():
-                    break
-                done += n
-                if not n:
+                if not self.write_once():
+                    if not self._num_dirty():
+                        break
                     time.sleep(0.01)  # the thread holds the rest: wait for its batch
         finally:
             self._flushing = False
-        return done, self._num_dirty()
+        return self.num_written - before, self._num_dirty()
 
     def _num_dirty(self) -> int:
         with self.runner.lock:

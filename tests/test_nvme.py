@@ -273,3 +273,28 @@ def test_a_failed_write_of_any_kind_leaves_the_key_writable(tmp_path):
     assert t.tier.write(hexes, [memoryview(b"short")], ann) == [False]  # refused, not left "being written"
     assert t.tier.write(hexes, [memoryview(data[0])], ann) == [True]
     assert t.read(hexes) == data
+
+
+def test_a_page_continuing_nothing_on_disk_takes_free_room_only(tmp_path):
+    from kvcr.drivers.nvme import Written
+    t = Tier(tmp_path, max_bytes=4 * PAGE, high=1.0, low=0.5)
+    hexes, ann, data = chain(4, seed=7)
+    t.tier.write(hexes, [memoryview(d) for d in data], ann)
+    orphan, orphan_ann, orphan_data = chain(2, seed=8)  # its parent (page 0) is not on disk
+    assert t.tier.write_pages(orphan[1:], [memoryview(orphan_data[1])], orphan_ann[1:]) == [Written.FULL]
+    assert t.tier.present(hexes) == 4  # nothing reachable was pushed out for it
+
+
+def test_shutdown_writes_the_pages_spill_had_not_written_yet(tmp_path):
+    cfg = load_config(None, {"runner.name": "nv", "runner.block_size": BLOCK, "dram.size": 8 * PAGE,
+                             "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "nvme.storage_dir": str(tmp_path),
+                             "nvme.write_policy": "spill"})
+    runner = Runner(cfg)
+    hexes, ann, data = chain(4, seed=9)
+    runner.put("kv", runner.keys("kv", hexes), data, ann)
+    assert runner.pools["kv"].num_dirty == 4 and runner.disks["kv"].index.statistics().num_pages == 0
+    runner.shutdown()
+    assert runner.shutdown_flush[1:] == (4, 0)
+    t = Tier(tmp_path, ns=runner.layouts["kv"].namespace)
+    t.tier.scan()
+    assert t.read(hexes) == data

@@ -87,7 +87,7 @@ class Demo:
                 "worker", "--name", name, "--port", "0", "--page-size", str(a.page_size), "--layers", str(a.layers),
                 "--hidden", str(a.hidden), "--seed", str(a.seed), "--set", f"runner.state_dir={base / 'state'}",
                 "--set", f"nvme.storage_dir={base / 'nvme'}", "--set", f"dram.size={a.dram}",
-                # spill to NVMe before DRAM is full, so evicted pages stay servable
+                # evict written-behind pages before DRAM is full, so a fill rarely waits for the writer
                 "--set", "dram.high_watermark=0.85", "--set", "dram.low_watermark=0.7",
                 "--set", f"runner.transfer={a.transport}"], self.env))
             self.workers.append(self.children[-1])
