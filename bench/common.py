@@ -74,3 +74,14 @@ def publish(name: str, title: str, intro: str, tables: list[list[str]], *, write
     if write:
         write_section(name, body)
         print("wrote docs/benchmarks.md")
+
+
+def disk_bench_args(doc: str, *, repeats: int, quick_help: str):
+    """The options the NVMe benchmarks share: --repeats, --quick, --dir, --no-write."""
+    import argparse
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--dir", default=None, help="directory on the device to measure (default: a temp dir)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    return parser.parse_args()

@@ -12,7 +12,6 @@ Writes: a fresh key per page, atomic publish included, against HiCacheFile.set()
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Spread, machine_line, publish, table  # noqa: E402
+from bench.common import Spread, disk_bench_args, machine_line, publish, table  # noqa: E402
 from kvcr.drivers.nvme import DiskTier  # noqa: E402
 from kvcr.proto.disk_index import DiskIndex  # noqa: E402
 from kvcr.proto.keys import Namespace  # noqa: E402
@@ -153,12 +152,7 @@ def write_case(root: Path, page_bytes: int, pages: int, repeats: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="small sizes, 5 repeats (a smoke run)")
-    parser.add_argument("--dir", default=None, help="directory on the device to measure (default: a temp dir)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    args = parser.parse_args()
+    args = disk_bench_args(__doc__, repeats=5, quick_help="small sizes, 5 repeats (a smoke run)")
     repeats = max(5, args.repeats)
     root = Path(tempfile.mkdtemp(prefix="kvcr-bench-nvme-", dir=args.dir))
     try:

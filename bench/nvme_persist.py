@@ -12,7 +12,6 @@ announced (root first), against a bare scandir + stat of the same files.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import Spread, machine_line, publish, table  # noqa: E402
+from bench.common import Spread, disk_bench_args, machine_line, publish, table  # noqa: E402
 from kvcr.config import load_config  # noqa: E402
 from kvcr.drivers.nvme import DiskTier  # noqa: E402
 from kvcr.proto.announce import announce_request  # noqa: E402
@@ -182,12 +181,7 @@ def restart_case(root: Path, num_pages: int, page_bytes: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--dir", default=None, help="directory on the device to measure (default: a temp dir)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    args = parser.parse_args()
+    args = disk_bench_args(__doc__, repeats=3, quick_help="small sizes (a smoke run)")
     root = Path(tempfile.mkdtemp(prefix="kvcr-bench-persist-", dir=args.dir))
     dram = 64 if args.quick else 512
     try:
