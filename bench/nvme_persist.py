@@ -189,7 +189,7 @@ def main() -> int:
         rate = [row for factor in (1, 4)
                 for row in store_rate_case(root, dram, dram * factor // PER_REQUEST, args.repeats)]
         keep = [retention_case(root, dram, f) for f in ((1, 3) if args.quick else (1, 3, 10))]
-        restart = [restart_case(root, n, 4096) for n in ((2048,) if args.quick else (10_000, 100_000))]
+        restart = [restart_case(root, n, 4096) for n in ((2048,) if args.quick else (10_240, 102_400))]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     intro = (f"`python bench/nvme_persist.py --repeats {args.repeats}{' --quick' if args.quick else ''}` on "
