@@ -131,6 +131,12 @@ def cmd_router(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from router_hints.sim.main import run
+
+    return run(args)
+
+
 def cmd_demo_driver(args: argparse.Namespace) -> int:
     from .demo.driver import run_process
 
@@ -206,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_arguments(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("replay", help="a request trace through simulated workers: kvcr against the alternatives")
+    from router_hints.sim.main import add_arguments as replay_arguments
+
+    replay_arguments(p)
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("demo-driver", help="the demo's workload driver (kvcr demo starts it)")
     from .demo.driver import add_arguments as driver_arguments

@@ -20,8 +20,7 @@ if TYPE_CHECKING:
     from .runner import Runner
 
 log = logging.getLogger(__name__)
-WRITE_BEHIND, SPILL = "write_behind", "spill"
-POLICIES = (WRITE_BEHIND, SPILL)
+SPILL = "spill"  # nvme.write_policy values are validated in kvcr/config.py
 _KEEP = {Written.WRITTEN: Keep.CLEAN, Written.PRESENT: Keep.CLEAN, Written.FULL: Keep.LOWER_FULL,
          Written.FAILED: Keep.WRITE_FAILED}
 

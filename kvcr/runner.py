@@ -13,18 +13,17 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import xxhash
 
-from collections import Counter
-
 from .config import Config
 from .drivers.nvme import DiskTier
-from .persist import Persister
 from .drivers.shm import Region, host_id, region_name
+from .persist import Persister
 from .proto.announce import Announce
 from .proto.claims import Claim, ClaimError, ClaimTable, Fill, Release
 from .proto.disk_index import DiskIndex

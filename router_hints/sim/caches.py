@@ -1,0 +1,122 @@
+"""A simulated worker's block caches (DRAM, NVMe) and the events they publish. Pure.
+
+Each tier is an LRU over block ids, touched on use and filled after the request, a request's
+head most recent (as kvcr's pool touches a chain). NVMe is written behind: a block stored in DRAM
+is stored on NVMe too, so each tier evicts on its own. Every change is published as the vLLM
+events a kvcr runner sends (`CPU_PINNED`, `DISK`), for the router's real index to consume.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from kvcr.proto.events import BlockRemoved, BlockStored, Event
+
+SIM_BLOCK = 4  # tokens per block in the router's eyes: a trace block is mapped to this many tokens
+
+
+def block_tokens(block: int) -> tuple[int, ...]:
+    """The tokens standing for a trace block (unique per id; the id already implies its prefix)."""
+    base = (block * SIM_BLOCK) & 0xFFFF_FFFF
+    return tuple((base + i) & 0xFFFF_FFFF for i in range(SIM_BLOCK))
+
+
+def external(block: int) -> int:
+    return block + 1  # the hash a simulated engine publishes for the block (never 0)
+
+
+class BlockLRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def leading(self, blocks: Sequence[int], start: int = 0) -> int:
+        """How many of blocks[start:] are held, in a row."""
+        n = start
+        while n < len(blocks) and blocks[n] in self._order:
+            n += 1
+        return n - start
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        order = self._order
+        for block in reversed(blocks):
+            if block in order:
+                order.move_to_end(block)
+
+    def fill(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Hold `blocks` (a request's chain, root first), head most recent; returns (stored,
+        evicted). With no capacity nothing is held."""
+        if self.capacity <= 0:
+            return [], []
+        order = self._order
+        stored = [b for b in blocks if b not in order]
+        for block in reversed(blocks):
+            order[block] = None
+            order.move_to_end(block)
+        evicted = []
+        while len(order) > self.capacity:
+            evicted.append(order.popitem(last=False)[0])
+        gone = set(evicted)
+        return [b for b in stored if b not in gone], evicted
+
+
+def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> list[Event]:
+    """One BlockStored per run of newly stored blocks, each naming its parent (the block before it
+    in the request)."""
+    new = set(stored)
+    events: list[Event] = []
+    run: list[int] = []
+    parent = None
+    for i, block in enumerate(blocks):
+        if block in new:
+            if not run:
+                parent = blocks[i - 1] if i else None
+            run.append(block)
+        elif run:
+            events.append(_stored(run, parent, medium))
+            run = []
+    if run:
+        events.append(_stored(run, parent, medium))
+    return events
+
+
+def _stored(run: list[int], parent: int | None, medium: str) -> BlockStored:
+    return BlockStored(block_hashes=tuple(external(b) for b in run),
+                       parent_block_hash=external(parent) if parent is not None else None,
+                       token_ids=tuple(t for b in run for t in block_tokens(b)), block_size=SIM_BLOCK, medium=medium)
+
+
+class WorkerCache:
+    """DRAM and NVMe tiers of one simulated worker."""
+
+    def __init__(self, dram_blocks: int, nvme_blocks: int) -> None:
+        self.dram = BlockLRU(dram_blocks)
+        self.nvme = BlockLRU(nvme_blocks)
+
+    def reusable(self, blocks: Sequence[int]) -> tuple[int, int]:
+        """(leading blocks in DRAM, then blocks continuing that run on NVMe)."""
+        dram = self.dram.leading(blocks)
+        n = dram
+        while n < len(blocks) and (blocks[n] in self.dram or blocks[n] in self.nvme):
+            n += 1
+        return dram, n - dram
+
+    def holds(self, block: int) -> bool:
+        return block in self.dram or block in self.nvme
+
+    def fill(self, blocks: Sequence[int]) -> list[Event]:
+        """The request was served here: its blocks are held (touched or stored) in both tiers."""
+        events: list[Event] = []
+        for tier, medium in ((self.dram, "CPU_PINNED"), (self.nvme, "DISK")):
+            stored, evicted = tier.fill(blocks)
+            events += stored_events(blocks, stored, medium)
+            if evicted:
+                events.append(BlockRemoved(block_hashes=tuple(external(b) for b in evicted), medium=medium))
+        return events
