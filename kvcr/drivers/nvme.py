@@ -196,7 +196,8 @@ class DiskTier:
             records = [["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
                        for e in entries if e.digest is not None]
             # Records other processes appended since our scan are kept as they are.
-            theirs = {n: v for n, v in self.read_manifest().items() if n not in {e.name for e in entries}}
+            ours = {e.name for e in entries}
+            theirs = {n: v for n, v in self.read_manifest().items() if n not in ours}
             records += [["put", n, size, d, a.to_wire() if a else None] for n, (size, d, a) in theirs.items()]
             blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
             tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
