@@ -20,7 +20,7 @@ class SynthSpec:
     zipf_s: float = 1.1           # popularity skew of the system prompts
     turn_blocks: tuple[int, int] = (1, 4)  # new blocks a turn adds (user message + last answer)
     max_turns: int = 6
-    rate_per_s: float = 20.0      # mean arrivals per second
+    rate_per_s: float = 6.0       # mean arrivals per second
     burst_every_s: float = 10.0   # a burst of arrivals at 4x the rate for a second, this often
     output_length: tuple[int, int] = (32, 512)
 
