@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.keys import U64_MASK
-from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
+from kvcr.proto.tokenhash import dynamo_chain_hash, dynamo_local_block_hashes, dynamo_sequence_hashes
 
 TIERS = ("device", "host", "disk")
 _MEDIUM_TIER = {None: "device", "GPU": "device", "DEVICE": "device",
@@ -98,7 +98,7 @@ class InventoryIndex:
                                           self.block_size, lora_name=event.lora_name,
                                           cache_namespace=event.cache_salt or _vllm_salt(event))
         for external, content in zip(event.block_hashes, local):
-            seq = content if parent_seq is None else dynamo_sequence_hashes([parent_seq, content])[1]
+            seq = content if parent_seq is None else dynamo_chain_hash(parent_seq, content)
             external &= U64_MASK
             state.by_external[external] = seq
             held = state.held.get(seq)

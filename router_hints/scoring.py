@@ -30,6 +30,10 @@ class Load:
     active_requests: int = 0
 
 
+_IDLE = Load()      # a candidate without a load entry
+_NONE = Overlap()   # a candidate holding none of the request
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     worker: Worker
@@ -54,8 +58,8 @@ def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Ov
     over normalised costs when the model has a temperature."""
     if not candidates:
         raise ValueError("no candidate workers")
-    min_prefill = min(loads.get(w, Load()).active_prefill_tokens for w in candidates)
-    costs = {w: cost(model, overlaps.get(w, Overlap()), loads.get(w, Load()), request_blocks, block_size,
+    min_prefill = min(loads.get(w, _IDLE).active_prefill_tokens for w in candidates)
+    costs = {w: cost(model, overlaps.get(w, _NONE), loads.get(w, _IDLE), request_blocks, block_size,
                      min_prefill) for w in candidates}
     if model.temperature > 0:
         lo, hi = min(costs.values()), max(costs.values())

@@ -46,6 +46,11 @@ def dynamo_sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     return out
 
 
+def dynamo_chain_hash(parent_sequence_hash: int, local_hash: int) -> int:
+    """One step of dynamo_sequence_hashes: a block's sequence hash from its parent's."""
+    return xxhash.xxh3_64_intdigest(_PAIR.pack(parent_sequence_hash, local_hash), seed=DYNAMO_SEED)
+
+
 _PAIR = struct.Struct("<QQ")
 
 

@@ -9,6 +9,7 @@ events a kvcr runner sends (`CPU_PINNED`, `DISK`), for the router's real index t
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import lru_cache
 from typing import Sequence
 
 from kvcr.proto.events import BlockRemoved, BlockStored, Event
@@ -16,6 +17,7 @@ from kvcr.proto.events import BlockRemoved, BlockStored, Event
 SIM_BLOCK = 4  # tokens per block in the router's eyes: a trace block is mapped to this many tokens
 
 
+@lru_cache(maxsize=1 << 20)
 def block_tokens(block: int) -> tuple[int, ...]:
     """The tokens standing for a trace block (unique per id; the id already implies its prefix)."""
     base = (block * SIM_BLOCK) & 0xFFFF_FFFF

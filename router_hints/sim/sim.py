@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from kvcr.proto.events import EventBatch
 from kvcr.proto.hints import parse_envelope
+from kvcr.proto.tokenhash import dynamo_chain_hash, dynamo_local_block_hashes
 
 from ..index import InventoryIndex, Overlap
 from ..scoring import CostModel, Load, choose, choose_source
@@ -129,13 +130,14 @@ class Simulation:
         self.endpoints = {w: f"sim://{w[0]}" for w in self.names}
         self.result = PolicyResult(policy)
         self._next = 0
+        self._seq: dict[int, int] = {}
 
     # --- one request ----------------------------------------------------------------------------
 
     def step(self, req: TraceRequest) -> None:
         now = req.arrival_s / self.cfg.speedup
         blocks = req.blocks
-        seq = self.index.sequence_hashes([t for b in blocks for t in block_tokens(b)])
+        seq = self._sequence_hashes(blocks)
         overlaps = self.index.overlaps(seq) if self.policy in ("kv", "kvcr") else {}
         w = self._route(now, overlaps, len(blocks))
         cache = self.caches[0 if self.policy == "ideal" else w]
@@ -157,13 +159,27 @@ class Simulation:
         if events and self.policy != "ideal":
             self.index.apply(self.names[w][0], EventBatch(ts=now, events=tuple(events)))
 
+    def _sequence_hashes(self, blocks: Sequence[int]) -> list[int]:
+        """The index's sequence hashes of a request, by block: an id stands for its whole prefix,
+        so each block's hash is computed once (with the index's own functions) and remembered."""
+        memo, out, prev = self._seq, [], None
+        for block in blocks:
+            seq = memo.get(block)
+            if seq is None:
+                local = dynamo_local_block_hashes(block_tokens(block), SIM_BLOCK)[0]
+                seq = memo[block] = local if prev is None else dynamo_chain_hash(prev, local)
+            out.append(seq)
+            prev = seq
+        return out
+
     def _route(self, now: float, overlaps: dict, num_blocks: int) -> int:
         if self.policy == "round_robin":
             self._next += 1
             return (self._next - 1) % self.cfg.workers
-        loads = {w: self._load(i, now) for i, w in enumerate(self.names)}
         if self.policy == "ideal":  # one cache seen by all: only the queues differ
             return min(range(self.cfg.workers), key=lambda i: (self.queues.busy_until[i], i))
+        busy = self.queues.busy_until
+        loads = {w: self._load(i, now) for i, w in enumerate(self.names) if busy[i] > now}  # idle: Load()
         choice = choose(self.model, self.names, overlaps, loads, max(1, num_blocks), SIM_BLOCK)
         return int(choice.worker[0])
 
