@@ -3,7 +3,8 @@ two DRAM capacities and arrival speed-ups 1x and 2x; plus the simulator's own sp
 
     .venv/bin/python bench/replay_study.py [--requests 20000] [--trace FILE] [--no-write]
 
-Baseline for reuse: the ideal single cache of the same total capacity (measured in the same
+Then the trace's first requests through `kvcr router` + 2 `kvcr worker`s here, against the
+simulation of that cluster. Baseline for reuse: the ideal single cache of the same total capacity (measured in the same
 run); for TTFT: KV-aware routing without pulls.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, publish, table  # noqa: E402
+from router_hints.sim.live import compare  # noqa: E402
 from router_hints.sim.sim import POLICIES, SimConfig, simulate  # noqa: E402
 from router_hints.sim.synth import SynthSpec, write  # noqa: E402
 from router_hints.sim.trace import read_trace  # noqa: E402
@@ -27,6 +29,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--trace", help="a Mooncake-format trace instead of the synthetic one")
     parser.add_argument("--capacities", default="250,1000", help="DRAM blocks per worker")
+    parser.add_argument("--live-requests", type=int, default=300)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
     if args.trace:
@@ -49,6 +52,13 @@ def main() -> int:
                 rows.append(row)
                 print(row, flush=True)
     speed = sorted(speeds)[len(speeds) // 2]
+    # The live check: the trace's first requests through kvcr router + 2 kvcr workers on this machine.
+    live = compare(trace[:args.live_requests], SimConfig(workers=2, dram_blocks=200, speedup=10.0), page_size=16)
+    m = live["measured"]
+    live_row = (f"| {live['requests']} requests, 2 workers x {live['pages_per_worker']} pages, 10x | "
+                f"{m['reuse']:.1%} (DRAM {m['reuse_by_tier']['dram']:.1%}, peer {m['reuse_by_tier']['peer']:.1%}) | "
+                f"{live['simulated']['reuse']:.1%} | {live['reuse_live_over_simulated']:.2f} | {m['errors']} |")
+    print(live_row)
     source = f"`{args.trace}`" if args.trace else f"the synthetic trace ({args.requests} requests, seed 0)"
     intro = (f"`python bench/replay_study.py --requests {args.requests}` on {machine_line()}, {source}; "
              "defaults otherwise (8000 prefill tokens/s per worker, 512-token blocks of 64 MiB, 25 GB/s pulls). "
@@ -56,8 +66,9 @@ def main() -> int:
              "ideal single cache (reuse) and KV-aware routing without pulls (TTFT), from the same run. "
              f"Simulator speed: median {speed:,} simulated requests/s per policy run. Method: docs/replay.md.")
     columns = ["workers", "DRAM blocks each", "speed-up", *POLICIES, "kvcr reuse / ideal", "kvcr TTFT / kv TTFT"]
-    publish("replay", "Replay study: kvcr against the alternatives on a trace", intro, [table(columns, rows)],
-            write=not args.no_write)
+    live_columns = ["live run", "reuse measured", "reuse simulated (same cluster)", "measured / simulated", "errors"]
+    publish("replay", "Replay study: kvcr against the alternatives on a trace", intro,
+            [table(columns, rows), table(live_columns, [live_row])], write=not args.no_write)
     return 0
 
 

@@ -19,7 +19,7 @@ from ..drivers.shm import sweep_stale
 from ..drivers.ucx_env import SINGLE_HOST_UCX_ENV
 from .driver import Outcome
 from .httpc import get_json
-from .procs import Child, stop_all
+from .procs import Child, stop_all, worker_command
 
 
 ENGINES = ("worker", "sglang")
@@ -83,13 +83,9 @@ class Demo:
              f"+ NVMe in {self.tmp}, UCX peer server)")
         for i in range(a.workers):
             name, base = f"w{i}", self.tmp / f"w{i}"
-            self.children.append(Child(logs, name, [
-                "worker", "--name", name, "--port", "0", "--page-size", str(a.page_size), "--layers", str(a.layers),
-                "--hidden", str(a.hidden), "--seed", str(a.seed), "--set", f"runner.state_dir={base / 'state'}",
-                "--set", f"nvme.storage_dir={base / 'nvme'}", "--set", f"dram.size={a.dram}",
-                # evict written-behind pages before DRAM is full, so a fill rarely waits for the writer
-                "--set", "dram.high_watermark=0.85", "--set", "dram.low_watermark=0.7",
-                "--set", f"runner.transfer={a.transport}"], self.env))
+            self.children.append(Child(logs, name, worker_command(
+                name, base, page_size=a.page_size, layers=a.layers, hidden=a.hidden, seed=a.seed, dram=a.dram,
+                transport=a.transport), self.env))
             self.workers.append(self.children[-1])
             self.children[-1].start()  # registered first: a failed start is still stopped
         for w in self.workers:

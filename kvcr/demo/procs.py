@@ -70,6 +70,19 @@ class Child:
         return self.wait(timeout_s)
 
 
+def worker_command(name: str, base: Path, *, page_size: int, layers: int, hidden: int, seed: int, dram: str,
+                   transport: str, nvme: bool = True) -> list[str]:
+    """`kvcr worker` arguments for one engine of a local cluster (the demo's, the live replay's):
+    state (and NVMe) under `base`, any free port."""
+    args = ["worker", "--name", name, "--port", "0", "--page-size", str(page_size), "--layers", str(layers),
+            "--hidden", str(hidden), "--seed", str(seed), "--set", f"runner.state_dir={base / 'state'}",
+            "--set", f"dram.size={dram}", "--set", f"runner.transfer={transport}"]
+    if nvme:  # evict written-behind pages before DRAM is full, so a fill rarely waits for the writer
+        args += ["--set", f"nvme.storage_dir={base / 'nvme'}", "--set", "dram.high_watermark=0.85",
+                 "--set", "dram.low_watermark=0.7"]
+    return args
+
+
 def stop_all(children: list[Child], timeout_s: float = 8.0) -> None:
     """Signal every child first, then wait: shutdown takes the time of the slowest, not the sum."""
     for child in children:

@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="replay-out", help="directory for replay.json and the charts")
     p.add_argument("--json", help="also write the results JSON here")
     p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--live", action="store_true",
+                   help="also drive the trace's first --live-requests through `kvcr router` + `kvcr worker`s here "
+                        "(one page of --page-size tokens per block, DRAM of --capacity-blocks pages, no NVMe) and "
+                        "compare with the simulation of the same cluster")
+    p.add_argument("--live-requests", type=int, default=200)
+    p.add_argument("--page-size", type=int, default=16, help="live: tokens per KV page (one per trace block)")
 
 
 def config(args: argparse.Namespace) -> SimConfig:
@@ -93,8 +99,33 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text)
     if not args.no_charts:
         charts(summary, out)
+    if args.live:
+        summary["live"] = live_comparison(args, trace, console)
+        text = json.dumps(summary, indent=1)
+        (out / "replay.json").write_text(text)
+        if args.json:
+            Path(args.json).write_text(text)
     console.print(f"wrote {out / 'replay.json'}" + ("" if args.no_charts else f" and charts in {out}"))
     return 0
+
+
+def live_comparison(args: argparse.Namespace, trace: list, console) -> dict:
+    """The first --live-requests through the real stack, and the simulation of that cluster."""
+    from rich.progress import Progress
+
+    from .live import compare
+
+    part = trace[:args.live_requests]
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"live: {len(part)} requests through kvcr router + {args.workers} workers", total=len(part))
+        result = compare(part, config(args), page_size=args.page_size, run_dir=Path(args.out) / "live",
+                         progress=lambda n: bar.advance(task, n))
+    live, predicted, agreement = result["measured"], result["simulated"], result["reuse_live_over_simulated"]
+    console.print(f"live: reuse {live['reuse']:.1%} (DRAM {live['reuse_by_tier']['dram']:.1%}, peer "
+                  f"{live['reuse_by_tier']['peer']:.1%}), simulation of the same cluster {predicted['reuse']:.1%}"
+                  + (f": live / simulated {agreement:.2f}" if agreement is not None else "")
+                  + f"; {live['errors']} errors, latency p50 {live['latency_p50_s']:.3f} s")
+    return result
 
 
 def _policies(raw: str) -> list[str]:
