@@ -132,7 +132,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from router_hints.sim.main import run
+    from kvcr.replay.main import run
 
     return run(args)
 
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("replay", help="a request trace through simulated workers: kvcr against the alternatives")
-    from router_hints.sim.main import add_arguments as replay_arguments
+    from kvcr.replay.main import add_arguments as replay_arguments
 
     replay_arguments(p)
     p.set_defaults(func=cmd_replay)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from router_hints.sim.sim import SimConfig, Simulation, simulate
-from router_hints.sim.trace import TraceError, TraceRequest, parse_lines
+from kvcr.replay.sim import SimConfig, Simulation, simulate
+from kvcr.replay.trace import TraceError, TraceRequest, parse_lines
 from tests.conftest import ROOT
 
 BLOCK = 512

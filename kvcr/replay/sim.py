@@ -18,8 +18,8 @@ from kvcr.proto.events import EventBatch
 from kvcr.proto.hints import parse_envelope
 from kvcr.proto.tokenhash import dynamo_chain_hash, dynamo_local_block_hashes
 
-from ..index import InventoryIndex, Overlap
-from ..scoring import CostModel, Load, choose, choose_source
+from router_hints.index import InventoryIndex, Overlap
+from router_hints.scoring import CostModel, Load, choose, choose_source
 from .caches import SIM_BLOCK, WorkerCache, block_tokens
 from .trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
