@@ -298,3 +298,17 @@ def test_shutdown_writes_the_pages_spill_had_not_written_yet(tmp_path):
     t = Tier(tmp_path, ns=runner.layouts["kv"].namespace)
     t.tier.scan()
     assert t.read(hexes) == data
+
+
+def test_a_repeated_write_failure_is_logged_once_per_interval_with_a_count(caplog):
+    from kvcr.drivers.nvme import ThrottledWarning
+    now = [0.0]
+    w = ThrottledWarning(interval_s=10.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="kvcr.drivers.nvme"):
+        for _ in range(5):
+            w.warn("ENOSPC", "nvme write of %s failed", "p")
+        w.warn("EROFS", "nvme write of %s failed", "q")  # another kind: its own budget
+        now[0] = 11.0
+        w.warn("ENOSPC", "nvme write of %s failed", "r")
+    assert [r.getMessage() for r in caplog.records] == [
+        "nvme write of p failed", "nvme write of q failed", "nvme write of r failed (4 more like it since the last report)"]

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -69,6 +70,27 @@ def digest(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+class ThrottledWarning:
+    """A warning logged at most once per `interval_s` per kind; the next one says how many were
+    held back (a failing disk fails every page: the log should say so once, not per page)."""
+
+    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        with self._lock:
+            now = self.clock()
+            if now - self._last.get(kind, -math.inf) < self.interval_s:
+                self._held[kind] += 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        log.warning(msg + (f" ({held} more like it since the last report)" if held else ""), *args)
+
+
 @dataclass
 class LatencyHistogram:
     """Fixed buckets (seconds), filled by the I/O threads and read at scrape time."""
@@ -107,6 +129,7 @@ class DiskTier:
         self.num_lost_races = 0
         self.read_latency = LatencyHistogram()
         self.write_latency = LatencyHistogram()
+        self.write_failures = ThrottledWarning()
         self.scan_done = threading.Event()
         self._manifest_lock = threading.Lock()
         self._prepare_dir()
@@ -299,7 +322,8 @@ class DiskTier:
             return DiskEntry(name, len(view), page_digest, announce, (st.st_ino, st.st_mtime_ns))
         except OSError as exc:
             self._count_error(exc)
-            log.warning("nvme write of %s failed: %s", name, exc)
+            self.write_failures.warn(errno.errorcode.get(exc.errno or 0, "EIO"), "nvme write of %s failed: %s", name,
+                                     exc)
             with self.lock:
                 self.index.abort(name)
             return Written.FAILED
