@@ -141,8 +141,11 @@ class InventoryIndex:
         if bit is None:
             bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << self._next_bit
             self._next_bit += bit == 1 << self._next_bit
-        device, host, disk = (held.counts.get(t, 0) > 0 for t in TIERS)
-        for masks, present in zip(self._masks, (device, device or host, device or host or disk)):
+        counts = held.counts
+        device = counts.get("device", 0) > 0
+        host = device or counts.get("host", 0) > 0
+        anywhere = host or counts.get("disk", 0) > 0
+        for masks, present in zip(self._masks, (device, host, anywhere)):
             mask = masks.get(seq, 0)
             mask = mask | bit if present else mask & ~bit
             if mask:
