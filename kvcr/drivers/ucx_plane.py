@@ -276,7 +276,12 @@ class UcxPlane:
         pending, True once it sent, False if it refused (then nothing will come: cancel at once)."""
         lane = self._lanes[0]
         with lane.lock:
-            result = recv_batch(lane.worker.handle, ops, source_answer, timeout_s=timeout_s, abandon_s=abandon_s)
+            try:
+                result = recv_batch(lane.worker.handle, ops, source_answer, timeout_s=timeout_s, abandon_s=abandon_s)
+            except Exception as exc:  # receives may be posted: destroying the worker ends them
+                log.exception("tagged receives failed")
+                self.num_leaked_rkeys += lane.retire()
+                return GetResult((False,) * len(ops), error=f"{type(exc).__name__}: {exc}")
             if not all(result.done):  # a sender that stalled or died may have wedged this worker
                 self.num_leaked_rkeys += lane.retire()  # and receives it could not cancel end with it
             return GetResult(result.done, error=result.error)
