@@ -148,9 +148,12 @@ class DiskIndex:
 
     def commit_batch(self, entries: Sequence[DiskEntry]) -> None:
         """Commit published pages (chain order) and rank them as one use: each chain's tail is
-        evicted before its head."""
+        evicted before its head. Announced as one BlockStored per run of the batch."""
         for entry in entries:
-            self.commit(entry.name, entry)
+            self._end_writing(entry.name)
+            self._add(entry, announce=False)
+        self._events.extend(coalesce_announces([e.announce for e in entries if e.announce is not None],
+                                               self.block_size, MEDIUM_DISK))
         self.touch([e.name for e in entries])
 
     def abort(self, name: str) -> None:
