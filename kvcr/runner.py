@@ -269,7 +269,11 @@ class Runner:
             group = self.shard_groups.find(pool, tuple(keys))
             if group is None:
                 fill = self.reserve(pool, keys, announces, owner=SHARD_OWNER, lease_s=lease_s)
-                group = self.shard_groups.open(pool, tuple(keys), fill.fill_id, layout.shards)
+                group = self.shard_groups.find(pool, tuple(keys))  # another rank's, if reserve waited
+                if group is None:
+                    group = self.shard_groups.open(pool, tuple(keys), fill.fill_id, layout.shards)
+                else:
+                    self.claims.commit(fill.fill_id, owner=SHARD_OWNER, ok=None, abort=True)
             self.shard_groups.join(group, shard)
             return self.claims.fill(group.fill_id), shard * (layout.page_bytes // layout.shards)
 
