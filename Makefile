@@ -41,10 +41,20 @@ $(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install --no-deps $(SGLANG_NODEPS)
 	touch $@
 
-# Dynamo's runtime pins its own pydantic, so its indexer lives in a separate environment.
-$(DYNAMO_VENV)/.installed:
+# Dynamo's runtime pins its own pydantic, so its indexer, frontend and our bridge (kvcr.dynamo) live in
+# a separate environment. ai-dynamo 1.6.1 requires `aisimulate`, a placeholder no index serves: its
+# wheel goes in without dependencies and its other requirements are named here (what the frontend,
+# the router and the bindings import); kvcr goes in without torch, UCX or SGLang.
+DYNAMO_PIP := $(DYNAMO_VENV)/bin/pip --disable-pip-version-check -q
+DYNAMO_DEPS := 'ai-dynamo-runtime==1.6.1' 'aiohttp>=3.14.3,<4' 'certifi>=2026.10.19' 'kubernetes>=32.0.1,<33' \
+	'msgspec>=0.19' 'prometheus-client>=0.23.1,<1' 'pyzmq>=26' 'redis>=6.2,<9' tqdm 'transformers>=4.56' \
+	'zstandard>=0.23,<1' msgpack xxhash
+$(DYNAMO_VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(DYNAMO_VENV)
-	$(DYNAMO_VENV)/bin/pip --disable-pip-version-check -q install 'ai-dynamo-runtime==1.6.1'
+	$(DYNAMO_PIP) download --no-deps 'ai-dynamo==1.6.1' -d $(DYNAMO_VENV)/wheels
+	$(DYNAMO_PIP) install --no-deps $(DYNAMO_VENV)/wheels/ai_dynamo-1.6.1-*.whl
+	$(DYNAMO_PIP) install $(DYNAMO_DEPS)
+	$(DYNAMO_PIP) install --no-deps -e .
 	touch $@
 
 setup: $(VENV)/.installed

@@ -110,11 +110,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .drivers.shm import RegionError
+    from .dynamo.launch import DynamoSetupError
     from .worker.launch import run
 
     try:
         return run(args, _parse_set(args.set))
-    except (ConfigError, RegionError, OSError) as exc:  # OSError: a port already in use, a missing tokenizer
+    except (ConfigError, RegionError, DynamoSetupError, OSError) as exc:  # OSError: a port already in use, a missing tokenizer
         print(f"kvcr worker: {exc}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,7 @@ from .proto.events import BlockStored
 
 def tail(endpoint: str, replay: str | None, *, count: int = 0, timeout_s: float = 0.0,
          from_snapshot: str | None = None, out=sys.stdout) -> int:
-    from router_hints.subscriber import Delivery, Subscriber
+    from .drivers.zmq_subscriber import Delivery, Subscriber
 
     lost = []
     sub = Subscriber(on_unrepaired=lost.append)

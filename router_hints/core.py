@@ -18,7 +18,7 @@ from .discovery import Publisher
 from .index import InventoryIndex, Overlap, Worker
 from .liveness import Liveness
 from .scoring import Choice, CostModel, Load, choose, choose_source
-from .subscriber import Delivery, Notice, Subscriber
+from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,7 @@ class TextTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
             raise FileNotFoundError(f"tokenizer {file} does not exist (tokenizers are never downloaded)")
+        self.path = file
         self.tok = Tokenizer.from_file(str(file))
         config = _read_json(path / "tokenizer_config.json") if path.is_dir() else {}
         self.special_tokens = _special_tokens(path, config) if path.is_dir() else {}

@@ -12,7 +12,7 @@ from kvcr.client import ControlClient, ControlError
 from kvcr.config import CurveKeys
 from kvcr.proto.events import EventBatch
 from kvcr.proto.peer_inventory import PeerInventory
-from router_hints.subscriber import Delivery, Notice, Subscriber
+from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0

@@ -10,7 +10,7 @@ from kvcr.client import AttachedWriter, ControlClient
 from kvcr.drivers.zmq_events import EventPublisher, SeqSource
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.relay import EngineMirror
-from router_hints.subscriber import Delivery, Subscriber
+from kvcr.drivers.zmq_subscriber import Delivery, Subscriber
 from tests.conftest import wait_until
 from tests.test_service import BLOCK, pages_for
 

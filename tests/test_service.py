@@ -18,7 +18,7 @@ from kvcr.proto.announce import announce_request
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcr.proto.keys import request_page_hashes
 from kvcr.selfcheck import run_selfcheck
-from router_hints.subscriber import Delivery, Notice, Subscriber
+from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from tests.conftest import ROOT, wait_until
 
 BLOCK = 16

@@ -11,7 +11,7 @@ import threading
 
 import zmq
 
-from router_hints.replay import ReplayAnswer, fetch_replay
+from .zmq_replay import ReplayAnswer, fetch_replay
 
 from ..proto.events import EventError, decode_frames
 from ..proto.relay import EngineMirror, RelayStep

@@ -14,6 +14,9 @@ from .model import TinyLM
 from .options import ModelConfig
 from .server import Worker, serve
 
+# The bundled tokenizer's specials (it has no tokenizer_config.json of its own).
+DEFAULT_SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+
 
 def build(args: argparse.Namespace, overrides: dict) -> Worker:
     from router_hints.text import TextTokenizer
@@ -37,7 +40,31 @@ def build(args: argparse.Namespace, overrides: dict) -> Worker:
         raise
 
 
+def dynamo_companion(args: argparse.Namespace, worker: Worker):
+    """Starts the Dynamo bridge for this worker once its HTTP front is up (`--dynamo`)."""
+    from ..dynamo.launch import BridgeOptions, dynamo_python, start_bridge
+    from ..dynamo.model_dir import write_model_dir
+
+    python = dynamo_python(args.dynamo_python)  # fail before serving, not after
+    tok = worker.tokenizer
+    model_dir = write_model_dir(None, tokenizer_json=tok.path, vocab_size=tok.vocab_size,
+                                max_positions=worker.engine.model.cfg.max_positions, bos_id=tok.bos_id,
+                                eos_id=tok.eos_id, special=tok.special_tokens or DEFAULT_SPECIAL)
+
+    def start(url: str):
+        options = BridgeOptions(backend=url, model_path=str(model_dir), python=python,
+                                model_name=args.dynamo_model_name or worker.model_name,
+                                namespace=args.dynamo_namespace, oracle=args.dynamo_oracle,
+                                ready_file=args.info_file + ".dynamo" if args.info_file else None)
+        return start_bridge(options)
+    return start
+
+
 def run(args: argparse.Namespace, overrides: dict) -> int:
     worker = build(args, overrides)
-    asyncio.run(serve(worker, args.host, args.port, args.info_file))
-    return 0
+    try:
+        companion = dynamo_companion(args, worker) if args.dynamo else None
+    except BaseException:
+        worker.service.stop()
+        raise
+    return asyncio.run(serve(worker, args.host, args.port, args.info_file, companion))

@@ -36,3 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="runner config (TOML or JSON), as for `kvcr serve`")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a runner config key")
     p.add_argument("--info-file", help="write the worker's info JSON (url, runner endpoints) here once up")
+    d = p.add_argument_group("Dynamo", "serve behind Dynamo's frontend and KV router (docs/dynamo.md)")
+    d.add_argument("--dynamo", action="store_true",
+                   help="register with Dynamo's runtime (discovery and planes from its DYN_* variables)")
+    d.add_argument("--dynamo-namespace", default="kvcr", help="Dynamo namespace (the component is `backend`)")
+    d.add_argument("--dynamo-model-name", help="model name Dynamo serves (default: the worker's)")
+    d.add_argument("--dynamo-python", help="Python of Dynamo's environment (default: $KVCR_DYNAMO_PYTHON, "
+                   "then .venv-dynamo)")
+    d.add_argument("--dynamo-oracle", action="store_true", help="check every Dynamo-routed answer (tests)")

@@ -7,12 +7,13 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -203,9 +204,13 @@ class Worker:
         return resp
 
 
-async def serve(worker: Worker, host: str, port: int, info_file: str | None) -> None:
-    """Serve until SIGTERM/SIGINT; the runner (shared memory, UCX, threads) stops on every way out."""
+async def serve(worker: Worker, host: str, port: int, info_file: str | None,
+                companion: Callable[[str], subprocess.Popen] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; the runner (shared memory, UCX, threads) stops on every way out.
+    `companion(url)` starts a process that lives as long as we do (the Dynamo bridge): if it exits,
+    so do we, with its exit status."""
     runner = web.AppRunner(worker.app(), access_log=None)
+    child = None
     try:
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
@@ -219,8 +224,21 @@ async def serve(worker: Worker, host: str, port: int, info_file: str | None) -> 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
-        await done.wait()
+        child = companion(url) if companion is not None else None
+        while not done.is_set():
+            if child is not None and child.poll() is not None:
+                log.error("the Dynamo bridge exited with status %s; stopping", child.returncode)
+                return child.returncode or 1
+            try:
+                await asyncio.wait_for(done.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        return 0
     finally:
+        if child is not None:
+            from ..dynamo.launch import stop_bridge
+
+            stop_bridge(child)
         await runner.cleanup()
         worker.executor.shutdown(wait=True, cancel_futures=True)
         worker.service.stop()

@@ -14,7 +14,7 @@ import zmq
 
 from kvcr.proto.events import AllBlocksCleared, EventBatch, EventError, decode_frames
 from kvcr.proto.stream import StreamTracker, Verdict
-from router_hints.replay import ReplayAnswer, fetch_replay
+from .zmq_replay import ReplayAnswer, fetch_replay
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,198 @@
+"""A kvcr-backed engine as a Dynamo worker: `python -m kvcr.dynamo.bridge` in Dynamo's environment.
+
+It registers with Dynamo's `DistributedRuntime` (discovery, request and event planes chosen by
+Dynamo's own `DYN_*` variables), advertises the runner's control endpoint as a hint source,
+relays the runner's event stream through `KvEventPublisher` (via FeedRelay, so restarts and gaps
+leave Dynamo's view right), and forwards Dynamo's token requests, `kv_hint` included, to the
+engine's `/generate`. The engine is a `kvcr worker` or SGLang with `--hicache-storage-backend
+kvcr`; it pulls hinted pages through the same claim, confirm and release path as for our router.
+Needs only Dynamo's packages, aiohttp, pyzmq and msgpack: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import urllib.request
+from dataclasses import dataclass
+
+import aiohttp
+
+from ..proto.hints import WORKER_TYPES, dynamo_advertisement
+from .feed import FeedRelay
+from .requests import BridgeRequestError, StreamDecoder, generate_body
+
+log = logging.getLogger("kvcr.dynamo")
+
+
+class BridgeError(RuntimeError):
+    """A misconfiguration found at start; the process exits with its message."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerView:
+    dp_rank: int
+    block_size: int
+    events: str
+    replay: str | None
+    control: str
+    dram_capacity: int
+
+
+def _get_json(url: str, timeout_s: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.load(resp)
+
+
+def runner_view(info: dict, *, dp_rank: int | None) -> RunnerView:
+    """What the bridge needs from a runner's public info; a DP rank other than the runner's fails here,
+    not later as batches Dynamo silently drops."""
+    ep = info.get("endpoints") or {}
+    if not ep.get("events") or not ep.get("control"):
+        raise BridgeError("the runner's info names no events or control endpoint")
+    rank = int(info.get("dp_rank", 0))
+    if dp_rank is not None and dp_rank != rank:
+        raise BridgeError(f"--dp-rank {dp_rank} differs from the runner's runner.dp_rank {rank}: Dynamo would "
+                          "drop every batch the runner publishes; set one of them to match the other")
+    capacity = sum(int(p.get("num_slots", 0)) for p in info.get("pools") or [])
+    return RunnerView(rank, int(info["block_size"]), ep["events"], ep.get("replay"), ep["control"], capacity)
+
+
+def fetch_runner_info(backend: str, runner: str | None) -> dict:
+    if runner:
+        return _get_json(runner.rstrip("/") + "/info")
+    info = _get_json(backend.rstrip("/") + "/server_info")
+    if "kvcr_runner" not in info:
+        raise BridgeError(f"{backend} is not a kvcr worker (no kvcr_runner in /server_info): pass --runner "
+                          "with the runner's HTTP URL (an SGLang engine's runner)")
+    return info["kvcr_runner"]
+
+
+class Forwarder:
+    """Dynamo's `generate` handler: one streamed `/generate` on the engine per request."""
+
+    def __init__(self, backend: str, *, default_max_tokens: int, oracle: bool) -> None:
+        self.url = backend.rstrip("/") + "/generate"
+        self.default_max_tokens = default_max_tokens
+        self.oracle = oracle
+        self.session: aiohttp.ClientSession | None = None
+        self.num_requests = 0
+        self.num_hints = 0
+
+    async def generate(self, request: dict, context=None):
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300))
+        body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle)
+        self.num_requests += 1
+        self.num_hints += "kv_hints" in body
+        decoder = StreamDecoder()
+        async with self.session.post(self.url, json=body) as resp:
+            if resp.status != 200:
+                raise BridgeRequestError(f"the engine answered {resp.status}: {(await resp.text())[:500]}")
+            async for line in resp.content:
+                chunk = decoder.feed(line)
+                if chunk is not None:
+                    yield chunk
+        if not decoder.finished:
+            raise BridgeRequestError("the engine's stream ended without a finish reason")
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvcr.dynamo.bridge", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", required=True, help="the engine's HTTP URL (a kvcr worker or SGLang)")
+    p.add_argument("--runner", help="the runner's HTTP URL (default: from a kvcr worker's /server_info)")
+    p.add_argument("--model-path", required=True, help="HF-style model directory the frontend tokenizes with")
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--namespace", default="kvcr")
+    p.add_argument("--component", default="backend")
+    p.add_argument("--dp-rank", type=int, help="must equal the runner's runner.dp_rank (checked)")
+    p.add_argument("--worker-type", default="aggregated", choices=WORKER_TYPES)
+    p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=16, help="when a request names none")
+    p.add_argument("--dead-after", type=float, default=3.0,
+                   help="seconds of runner silence after which Dynamo is told it holds nothing")
+    p.add_argument("--oracle", action="store_true", help="ask a kvcr worker to check every answer (tests)")
+    p.add_argument("--ready-file", help="write the worker id here once registered")
+    return p.parse_args(argv)
+
+
+def dynamo_planes() -> tuple[str, str, str]:
+    """Dynamo's own variables pick discovery (file, etcd, kubernetes), request and event planes."""
+    return (os.environ.get("DYN_DISCOVERY_BACKEND", "file"), os.environ.get("DYN_REQUEST_PLANE", "tcp"),
+            os.environ.get("DYN_EVENT_PLANE", "zmq"))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from dynamo.llm import (KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType,
+                            register_model)
+    from dynamo.runtime import DistributedRuntime
+
+    runner = runner_view(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
+    feed = FeedRelay(events=runner.events, replay=runner.replay, control=runner.control,
+                     dp_rank=runner.dp_rank, dead_after_s=args.dead_after).start()
+    discovery, request_plane, event_plane = dynamo_planes()
+    loop = asyncio.get_running_loop()
+    rt = DistributedRuntime(loop, discovery, request_plane, event_plane=event_plane)
+    endpoint = rt.endpoint(f"{args.namespace}.{args.component}.generate")
+    rc = ModelRuntimeConfig()
+    rc.total_kv_blocks = max(1, runner.dram_capacity)
+    rc.max_num_seqs = 8
+    rc.max_num_batched_tokens = args.context_length
+    rc.context_length = args.context_length
+    rc.kv_event_publishing_enabled = True
+    rc.enable_local_indexer = True  # Dynamo's recovery after a frontend restart asks this indexer
+    rc.data_parallel_start_rank = runner.dp_rank
+    rc.data_parallel_size = 1
+    for key, value in dynamo_advertisement({runner.dp_rank: runner.control}, args.worker_type).items():
+        rc.set_engine_specific(key, json.dumps(value))
+    publisher = KvEventPublisher(endpoint, kv_block_size=runner.block_size, dp_rank=runner.dp_rank,
+                                 enable_local_indexer=True, zmq_endpoint=feed.endpoint, zmq_topic="")
+    worker_type = {"aggregated": WorkerType.Aggregated, "prefill": WorkerType.Prefill,
+                   "decode": WorkerType.Decode}[args.worker_type]
+    await register_model(ModelInput.Tokens, ModelType.Completions | ModelType.Chat, endpoint, args.model_path,
+                         args.model_name, worker_type=worker_type, kv_cache_block_size=runner.block_size,
+                         runtime_config=rc)
+    forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle)
+    worker_id = endpoint.connection_id()
+    log.info("kvcr Dynamo worker %s: %s.%s.generate, runner rank %d, hint source %s", worker_id, args.namespace,
+             args.component, runner.dp_rank, runner.control)
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"worker_id": worker_id, "dp_rank": runner.dp_rank, "events": feed.endpoint}, f)
+        os.replace(tmp, args.ready_file)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.ensure_future(endpoint.serve_endpoint(forwarder.generate))
+    try:
+        await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        publisher.shutdown()
+        feed.stop()
+        await forwarder.close()
+        rt.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except BridgeError as exc:
+        print(f"kvcr dynamo bridge: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Dynamo's own KV router index, queried from a test (run with Dynamo's Python).
+
+A `KvRouter` from Dynamo's bindings follows the workers' event plane exactly as the frontend's
+router does (and recovers from their local indexers when it starts). Each stdin line is a JSON
+list of token ids; each stdout line is Dynamo's per-worker overlap for it, by tier.
+"""
+
+import asyncio
+import json
+import os
+import sys
+
+from dynamo.llm import KvRouter, KvRouterConfig
+from dynamo.runtime import DistributedRuntime
+
+
+async def main(path: str, block_size: int) -> None:
+    loop = asyncio.get_running_loop()
+    rt = DistributedRuntime(loop, os.environ.get("DYN_DISCOVERY_BACKEND", "file"),
+                            os.environ.get("DYN_REQUEST_PLANE", "tcp"),
+                            event_plane=os.environ.get("DYN_EVENT_PLANE", "zmq"))
+    router = KvRouter(rt.endpoint(path), block_size, KvRouterConfig())
+    print(json.dumps({"ready": True}), flush=True)
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        scores = await router.get_overlap_scores(json.loads(line))
+        print(json.dumps(scores, default=str), flush=True)
+    rt.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))

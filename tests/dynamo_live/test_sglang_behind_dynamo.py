@@ -1,0 +1,126 @@
+"""Live SGLang engines (`--hicache-storage-backend kvcr`) behind Dynamo's unmodified frontend.
+
+Each engine gets the thin kvcr bridge: it registers with Dynamo, relays the engine runner's event
+stream, and forwards Dynamo's token requests (with `kv_hint`, as SGLang's `kv_hints`) to the
+engine's `/generate`. Nothing of SGLang or Dynamo is patched.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvcr.demo.httpc import http
+from kvcr.dynamo.launch import BridgeOptions, start_bridge, stop_bridge
+from tokenizers import Tokenizer
+from tests.dynamo_live.conftest import BLOCK, dynamo_python, wait_for
+
+pytestmark = pytest.mark.live_sglang
+MODEL_NAME = "tiny-llama"
+
+
+@pytest.fixture
+def sglang_pair(dynamo, tmp_path):
+    from sglang_adapter.cpu_harness.model import build_model
+    from sglang_adapter.cpu_harness.server import LiveServer
+
+    model = build_model(tmp_path / "tiny-llama")
+    fe = dynamo.frontend()
+    engines = [LiveServer(tmp_path, name, model) for name in ("sa", "sb")]
+    bridges = []
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+            ready = tmp_path / f"{e.name}.bridge.json"
+            bridges.append(start_bridge(BridgeOptions(backend=e.url, runner=e.runner_http, model_path=str(model),
+                                                      model_name=MODEL_NAME, python=dynamo_python(),
+                                                      ready_file=str(ready)),
+                                        log_path=str(tmp_path / f"{e.name}.bridge.log"), env=dynamo.env))
+            wait_for(ready.exists, 90, f"{e.name}'s bridge registered")
+            e.dynamo_id = json.loads(ready.read_text())["worker_id"]
+        probe = dynamo.probe()
+        # Dynamo's frontend sends a completion prompt's ids without special tokens (no BOS, where SGLang adds one).
+        tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        wait_for(lambda: len(probe.overlaps(tokenizer.encode("warm up").ids)) == 2, 60, "both engines in Dynamo")
+        yield fe, engines, probe, tokenizer
+    finally:
+        for b in bridges:
+            stop_bridge(b)
+        for e in engines:
+            e.stop()
+
+
+def complete(fe, prompt: str, max_tokens: int = 4, **extra) -> dict:
+    status, _, body = http(fe.url + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
+                                                        "max_tokens": max_tokens, "temperature": 0, **extra},
+                           timeout_s=240)
+    assert status == 200, body[:500]
+    return json.loads(body)
+
+
+def engine_answer(engine, tokens: list[int], max_tokens: int) -> list[int]:
+    """The engine's own greedy answer for the same ids, computed with its caches flushed (the oracle)."""
+    engine.post("/flush_cache", {})
+    out = engine.post("/generate", {"input_ids": tokens, "sampling_params": {
+        "max_new_tokens": max_tokens, "temperature": 0}})
+    return out["output_ids"]
+
+
+def runner_metric(engine, name: str) -> float:
+    text = http(engine.runner_http + "/metrics")[2].decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def test_sglang_engines_behind_dynamo_reuse_and_pull_on_dynamos_hint(sglang_pair):
+    fe, (sa, sb), probe, tok = sglang_pair
+    p = words("alpha", 80)
+    tokens = tok.encode(p, add_special_tokens=False).ids
+    full = len(tokens) // BLOCK
+    assert complete(fe, p)["usage"]["prompt_tokens"] == len(tokens)
+    holder = next(e for e in (sa, sb) if int(fe.selections()[-1]["worker_id"]) == e.dynamo_id)
+    other = sb if holder is sa else sa
+    # HiCache backs the prompt's pages up into the holder's runner: Dynamo counts them as host-pinned.
+    wait_for(lambda: probe.overlaps(tokens)[(holder.dynamo_id, 0)]["host"] >= full - 1, 20,
+             "the holder's backed-up pages in Dynamo")
+    follow = complete(fe, p + " then more")
+    assert int(fe.selections()[-1]["worker_id"]) == holder.dynamo_id
+    assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= (full - 1) * BLOCK
+    # The holder made busy by a long request on the same prefix: Dynamo hints the other engine.
+    errors: list[BaseException] = []
+    long = threading.Thread(target=lambda: _capture(errors, complete, fe, p + " " + words("tail", 200),
+                                                    max_tokens=300, ignore_eos=True))
+    long.start()
+    try:
+        # Once routed, Dynamo counts the long request's blocks as the holder's load.
+        wait_for(lambda: len(fe.selections()) >= 3, 30, "the long request routed")
+        ask = p + " another question"
+        answer = complete(fe, ask, max_tokens=6)
+    finally:
+        long.join(300)
+    assert not errors, errors
+    choice = fe.selections()[-1]
+    assert int(choice["worker_id"]) == other.dynamo_id, choice
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (full - 1) * BLOCK, answer["usage"]  # pulled from the holder's runner over UCX
+    # The pull's other half: the holder's runner served the pages under a claim, now released.
+    assert runner_metric(holder, "kvcr_hits_total") >= full - 1
+    wait_for(lambda: runner_metric(holder, "kvcr_claims_held") == 0, 10, "the holder's claims released")
+    assert tok.decode(engine_answer(other, tok.encode(ask, add_special_tokens=False).ids, 6)) == answer["choices"][0]["text"]
+    wait_for(lambda: probe.overlaps(tokens)[(other.dynamo_id, 0)]["host"] >= full - 1, 20,
+             "the pulled pages kept and announced by the other engine's runner")
+
+
+def _capture(errors: list, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+        errors.append(exc)
