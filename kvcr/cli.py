@@ -150,6 +150,18 @@ def cmd_sglang(args: argparse.Namespace) -> int:
     return launch(args.sglang_args, prog="kvcr sglang")
 
 
+def cmd_dynamo(args: argparse.Namespace) -> int:
+    """Runs the Dynamo bridge (kvcr.dynamo.bridge) with Dynamo's Python, which pins its own packages."""
+    from .dynamo.launch import DynamoSetupError, dynamo_python
+
+    try:
+        python = dynamo_python()
+    except DynamoSetupError as exc:
+        print(f"kvcr dynamo: {exc}", file=sys.stderr)
+        return 2
+    os.execv(python, [python, "-m", "kvcr.dynamo.bridge", *args.bridge_args])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcr", description="Router-aware distributed KV-cache reuse")
     parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
@@ -207,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
                        prefix_chars="\0")  # every argument is SGLang's
     p.add_argument("sglang_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_sglang)
+
+    p = sub.add_parser("dynamo", help="serve an engine with kvcr (SGLang, a kvcr worker) as a Dynamo worker: "
+                       "`kvcr dynamo --help` lists the bridge's options", prefix_chars="\0", add_help=False)
+    p.add_argument("bridge_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_dynamo)
 
     p = sub.add_parser("demo", help="router + N workers + workload on this machine, checked by an oracle")
     from .demo.main import add_arguments as demo_arguments

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ..proto.hints import WORKER_TYPES, dynamo_advertisement
+from ..proto.hints import WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
 from .feed import FeedRelay
 from .requests import BridgeRequestError, StreamDecoder, generate_body
 
@@ -89,7 +89,9 @@ class Forwarder:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300))
         body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle)
         self.num_requests += 1
-        self.num_hints += "kv_hints" in body
+        if "kv_hints" in body:
+            self.num_hints += 1
+            self._log_hint(body["kv_hints"])
         decoder = StreamDecoder()
         async with self.session.post(self.url, json=body) as resp:
             if resp.status != 200:
@@ -101,13 +103,22 @@ class Forwarder:
         if not decoder.finished:
             raise BridgeRequestError("the engine's stream ended without a finish reason")
 
+    @staticmethod
+    def _log_hint(raw: dict) -> None:
+        try:
+            hint = parse_envelope(raw)
+        except HintError as exc:  # forwarded anyway: the engine refuses it and says why
+            log.warning("Dynamo sent a kv_hint the engine will refuse: %s", exc)
+            return
+        log.info("Dynamo's kv_hint: pull %d blocks from %s", len(hint.block_hashes), hint.source_control_endpoint)
+
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvcr.dynamo.bridge", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvcr dynamo", description=__doc__.split("\n")[0])
     p.add_argument("--backend", required=True, help="the engine's HTTP URL (a kvcr worker or SGLang)")
     p.add_argument("--runner", help="the runner's HTTP URL (default: from a kvcr worker's /server_info)")
     p.add_argument("--model-path", required=True, help="HF-style model directory the frontend tokenizes with")

@@ -6,11 +6,13 @@ Dynamo's own index is read through `probe.py` (a `KvRouter` from its bindings).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 
 from kvcr.demo.httpc import get_json, http
 from kvcr.demo.procs import Child
+from router_hints.text import TextTokenizer
 from tests.cluster import SMALL_MODEL
 from tests.conftest import ROOT, wait_until
 from tests.dynamo import free_port
@@ -34,6 +37,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).parent == Path(__file__).parent:
             item.add_marker(pytest.mark.dynamo_frontend)
+
+
+TOKENIZER = TextTokenizer()  # the kvcr worker's bundled one: Dynamo's frontend tokenizes the same
+
+
+def prompt(tag: str, words: int = 120) -> str:
+    return " ".join(f"{tag}{i}" for i in range(words))
+
+
+def full_blocks(text: str) -> int:
+    return len(TOKENIZER.encode(text)) // BLOCK
 
 
 def dynamo_python() -> str:
@@ -155,6 +169,13 @@ class DynamoWorker(Child):
     def stats(self) -> dict:
         return get_json(self.url + "/server_info")
 
+    def served(self) -> int:
+        return self.stats()["stats"]["requests"]
+
+    def held(self, probe: "Probe", text: str) -> dict:
+        """What Dynamo's index says this worker holds of `text`, by tier ({} if it does not know it)."""
+        return probe.overlaps(TOKENIZER.encode(text)).get((self.dynamo_id, 0), {})
+
     def claims_held(self) -> float:
         text = http(self.info["kvcr_runner"]["endpoints"]["http"] + "/metrics")[2].decode()
         return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvcr_claims_held "))
@@ -193,6 +214,46 @@ def dynamo(tmp_path, dyn_env):
         p.close()
     for fe in started["frontends"]:
         fe.stop()
+
+
+@pytest.fixture
+def pair(dynamo):
+    """A frontend, two `kvcr worker --dynamo` (wa, wb) both known to Dynamo's router, and a probe."""
+    fe = dynamo.frontend()
+    workers = [dynamo.worker("wa"), dynamo.worker("wb")]
+    probe = dynamo.probe()
+    wait_for(lambda: len(probe.overlaps(TOKENIZER.encode("warm up"))) == 2, 60, "both workers in Dynamo's router")
+    return fe, workers, probe
+
+
+def first_holder(fe: Frontend, workers: list, probe: Probe, text: str) -> tuple:
+    """Send `text` through Dynamo; (the worker it chose, the other one), once Dynamo indexed the pages."""
+    fe.complete(text)
+    holder = next(w for w in workers if w.served() == 1)
+    wait_for(lambda: holder.held(probe, text).get("host") == full_blocks(text), 10, "the prefix in Dynamo's index")
+    return holder, next(w for w in workers if w is not holder)
+
+
+@contextlib.contextmanager
+def busy(fe: Frontend, worker: DynamoWorker, prefix: str):
+    """A long request sharing `prefix` in flight on `worker` (its holder): Dynamo counts its blocks as
+    load, so a short request on the prefix goes to the other worker, with a hint naming this one."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fe.complete(prefix + " " + " ".join(f"tail{i}" for i in range(700)), max_tokens=200, ignore_eos=True)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        wait_for(lambda: worker.stats()["inflight"] >= 1 or not thread.is_alive(), 60, f"{worker.name} busy")
+        yield
+    finally:
+        thread.join(300)
+    assert not errors, errors
 
 
 def wait_for(fn, timeout_s: float, message: str, interval_s: float = 0.25):

@@ -11,21 +11,12 @@ import pytest
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.dynamo.launch import BridgeOptions, start_bridge, stop_bridge
 from kvcr.dynamo.model_dir import write_model_dir
-from router_hints.text import TextTokenizer
 from tests.dynamo import free_port
-from tests.dynamo_live.conftest import BLOCK, MODEL, dynamo_python, wait_for
+from tests.dynamo_live.conftest import MODEL, TOKENIZER, dynamo_python, prompt, wait_for
+from tests.dynamo_live.conftest import full_blocks as blocks
 from tests.test_service import pages_for
 
-TOKENIZER = TextTokenizer()
 CONVERGE_S = 10  # the bound: Dynamo's view matches the runner within 10 s
-
-
-def prompt(tag: str, words: int = 120) -> str:
-    return " ".join(f"{tag}{i}" for i in range(words))
-
-
-def blocks(text: str) -> int:
-    return len(TOKENIZER.encode(text)) // BLOCK
 
 
 def view(probe, worker_id: int, tokens: list[int], rank: int = 0) -> dict | None:
