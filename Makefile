@@ -19,7 +19,7 @@ SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors=
 SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-client jsonschema xgrammar==0.2.9 \
 	soundfile
 
-.PHONY: demo test setup sglang-setup dynamo-setup system-deps bench clean
+.PHONY: demo test setup sglang-setup dynamo-setup system-deps dynamo-system-deps bench clean
 
 # torch is named in the same install so pip keeps the CPU build instead of resolving another one.
 $(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
@@ -49,7 +49,14 @@ DYNAMO_PIP := $(DYNAMO_VENV)/bin/pip --disable-pip-version-check -q
 DYNAMO_DEPS := 'ai-dynamo-runtime==1.6.1' 'aiohttp>=3.14.3,<4' 'certifi>=2026.10.19' 'kubernetes>=32.0.1,<33' \
 	'msgspec>=0.19' 'prometheus-client>=0.23.1,<1' 'pyzmq>=26' 'redis>=6.2,<9' tqdm 'transformers>=4.56' \
 	'zstandard>=0.23,<1' msgpack xxhash
-$(DYNAMO_VENV)/.installed: pyproject.toml setup.py
+# Dynamo's discovery across hosts is etcd: the tests start Debian's etcd-server (3.4, which Dynamo
+# 1.6.1's client speaks) themselves.
+dynamo-system-deps:
+	@command -v etcd >/dev/null || { \
+		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq etcd-server; }
+
+$(DYNAMO_VENV)/.installed: pyproject.toml setup.py | dynamo-system-deps
 	$(PYTHON) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_PIP) download --no-deps 'ai-dynamo==1.6.1' -d $(DYNAMO_VENV)/wheels
 	$(DYNAMO_PIP) install --no-deps $(DYNAMO_VENV)/wheels/ai_dynamo-1.6.1-*.whl

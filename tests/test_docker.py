@@ -17,6 +17,7 @@ import pytest
 
 from kvcr.config import load_config, parse_size
 from kvcr.demo.main import add_arguments as demo_arguments
+from kvcr.dynamo.bridge import parse_args as bridge_args
 from sglang_adapter.launch_server import rewrite_args
 
 try:
@@ -26,10 +27,10 @@ except ImportError:  # reported by the tests that need it, not at collection
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
-DOCKERFILES = ["Dockerfile.cpu", "Dockerfile.gpu"]
-COMPOSE_FILES = ["compose.cpu.yaml", "compose.gpu.yaml"]
+DOCKERFILES = ["Dockerfile.cpu", "Dockerfile.gpu", "Dockerfile.dynamo"]
+COMPOSE_FILES = ["compose.cpu.yaml", "compose.gpu.yaml", "compose.dynamo.yaml"]
 # Services that run no kvcr runner, hence hold no DRAM pool; every other service must size for one.
-NO_DRAM_POOL = {"router", "prometheus", "dynamo-indexer", "keys"}
+NO_DRAM_POOL = {"router", "prometheus", "dynamo-indexer", "keys", "etcd", "frontend", "bridge0", "bridge1"}
 
 
 def tool(name: str, package: str) -> Path:
@@ -189,3 +190,27 @@ def test_gpu_stack_agrees_on_ports_and_block_size():
         args = rewrite_args(command[command.index("sglang_adapter.launch_server") + 1:])
         assert args[args.index("--hicache-storage-backend") + 1] == "dynamic"
         assert f"{worker['name']}:{cfg.runner.http_port}" in targets
+
+
+def test_dynamo_stack_agrees_on_runners_ranks_and_block_size():
+    compose = load_compose("compose.dynamo.yaml")
+    frontend = compose["services"]["frontend"]["command"]
+    block = int(frontend[frontend.index("--kv-cache-block-size") + 1])
+    prometheus = yaml.safe_load((DOCKER / "prometheus.dynamo.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert f"frontend:{frontend[frontend.index('--http-port') + 1]}" in targets
+    for i in (0, 1):
+        worker, bridge = compose["services"][f"worker{i}"], compose["services"][f"bridge{i}"]
+        cfg = load_config(runner_config("compose.dynamo.yaml", worker))
+        command = worker["command"]
+        assert command[command.index("--page-size") + 1] == str(block) and cfg.runner.block_size == block
+        # The bridge's command parses, and names this worker's engine and runner with the runner's rank.
+        args = bridge_args(bridge["command"][1:])
+        assert args.backend == f"http://{worker['hostname']}:{command[command.index('--port') + 1]}"
+        assert args.runner == f"http://{cfg.runner.http_host}:{cfg.runner.http_port}"
+        assert args.dp_rank == cfg.runner.dp_rank
+        assert f"{cfg.runner.http_host}:{cfg.runner.http_port}" in targets
+        # Discovery through etcd, and the keys the runner's /info and control socket ask for.
+        env = bridge["environment"]
+        assert env["DYN_DISCOVERY_BACKEND"] == "etcd" and env["KVCR_KEYS_DIR"] == "/keys"
+        assert cfg.runner.keys_dir == "/keys"

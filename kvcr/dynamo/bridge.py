@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ..keys import client_http_token
 from ..proto.hints import WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
 from .feed import FeedRelay
 from .requests import BridgeRequestError, StreamDecoder, generate_body
@@ -45,7 +46,11 @@ class RunnerView:
 
 
 def _get_json(url: str, timeout_s: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+    """GET with the deployment's HTTP token (KVCR_HTTP_TOKEN or KVCR_KEYS_DIR): a runner's /info
+    reachable from other hosts asks for it."""
+    token = client_http_token()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
         return json.load(resp)
 
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -56,12 +57,61 @@ def dynamo_python() -> str:
     return python
 
 
+class Etcd:
+    """Debian's etcd-server (3.4), as Dynamo's discovery backend across hosts."""
+
+    def __init__(self, tmp: Path) -> None:
+        exe = shutil.which("etcd")
+        assert exe, "etcd is missing: `make dynamo-system-deps` installs Debian's etcd-server"
+        client, peer = free_port(), free_port()
+        self.endpoint = f"http://127.0.0.1:{client}"
+        self.log = open(tmp / "etcd.log", "a")
+        self.proc = subprocess.Popen([exe, "--name", "kvcr-test", "--data-dir", str(tmp / "etcd"),
+                                      "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+                                      "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                                      "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                                      "--initial-cluster", f"kvcr-test=http://127.0.0.1:{peer}"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        wait_until(self._healthy, 30, 0.2, "etcd /health")
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"etcd exited with {self.proc.returncode}")
+        try:
+            return json.loads(http(self.endpoint + "/health", timeout_s=2)[2]).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(params=["file"])
+def discovery(request, tmp_path):
+    """Dynamo's discovery backend: "file" (one host); a test takes "etcd" too with
+    `@pytest.mark.parametrize("discovery", ["file", "etcd"], indirect=True)`."""
+    if request.param == "file":
+        yield {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "discovery")}
+        return
+    etcd = Etcd(tmp_path)
+    try:
+        yield {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.endpoint}
+    finally:
+        etcd.stop()
+
+
 @pytest.fixture
-def dyn_env(tmp_path) -> dict:
-    """Dynamo's variables for one test: its own discovery directory, so tests never see each other."""
-    return {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "discovery"),
-            "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq", "DYN_RUNTIME_NUM_WORKER_THREADS": "2",
-            "DYN_COMPUTE_THREADS": "1", "DYN_SELF_HOST_METADATA": "0", "KVCR_DYNAMO_PYTHON": dynamo_python()}
+def dyn_env(discovery) -> dict:
+    """Dynamo's variables for one test: its own discovery store, so tests never see each other."""
+    return {**os.environ, **discovery, "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+            "DYN_RUNTIME_NUM_WORKER_THREADS": "2", "DYN_COMPUTE_THREADS": "1", "DYN_SELF_HOST_METADATA": "0",
+            "KVCR_DYNAMO_PYTHON": dynamo_python()}
 
 
 class Frontend:
@@ -72,7 +122,7 @@ class Frontend:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"frontend-{self.port}.log"
         self.args = [dynamo_python(), "-m", "dynamo.frontend", "--router-mode", "kv", "--http-port", str(self.port),
-                     "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
+                     "--discovery-backend", env["DYN_DISCOVERY_BACKEND"], "--request-plane", "tcp", "--event-plane", "zmq",
                      "--kv-cache-block-size", str(BLOCK), "--router-event-threads", "1", *extra]
         self.env = env
         self.proc: subprocess.Popen | None = None

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from tests.dynamo_live.conftest import BLOCK, dynamo_python, wait_for
 
 pytestmark = pytest.mark.live_sglang
+
 MODEL_NAME = "tiny-llama"
 
 
@@ -79,6 +80,8 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
 
+# The same topology with file discovery (one host) and etcd (what deployments across hosts use).
+@pytest.mark.parametrize("discovery", ["file", "etcd"], indirect=True)
 def test_sglang_engines_behind_dynamo_reuse_and_pull_on_dynamos_hint(sglang_pair):
     fe, (sa, sb), probe, tok = sglang_pair
     p = words("alpha", 80)
