@@ -1,37 +1,32 @@
 """Dynamo 1.6.1's unmodified frontend and KV router over real `kvcr worker --dynamo` processes.
 
-File discovery, a TCP request plane and a ZMQ event plane, all under the test's own directory;
-Dynamo's own index is read through `probe.py` (a `KvRouter` from its bindings).
+File (or etcd) discovery, a TCP request plane and a ZMQ event plane, all under the test's own
+directory; Dynamo's own index is read through kvcr/dynamo/probe.py (a `KvRouter` from its bindings).
+The processes are kvcr/dynamo/local.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
-import shutil
 import signal
-import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from kvcr.demo.httpc import get_json, http
 from kvcr.demo.procs import Child
+from kvcr.dynamo import local
+from kvcr.dynamo.local import Etcd, Probe, dynamo_env, file_discovery
+from kvcr.dynamo.local import poll as wait_for
 from router_hints.text import TextTokenizer
 from tests.cluster import SMALL_MODEL
-from tests.conftest import ROOT, wait_until
-from tests.dynamo import free_port
+from tests.conftest import ROOT
 
 BLOCK = 16
 MODEL = "kvcr-tiny-l2-h64-s0"  # the worker's name for SMALL_MODEL with seed 0
 NAMESPACE = "kvcr"
-PROBE = Path(__file__).with_name("probe.py")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
 
 
 def pytest_collection_modifyitems(items):
@@ -51,57 +46,16 @@ def full_blocks(text: str) -> int:
     return len(TOKENIZER.encode(text)) // BLOCK
 
 
-def dynamo_python() -> str:
-    python = os.environ.get("KVCR_DYNAMO_PYTHON", str(ROOT / ".venv-dynamo" / "bin" / "python"))
-    assert Path(python).exists(), f"Dynamo's environment is missing ({python}); run `make dynamo-setup`"
-    return python
-
-
-class Etcd:
-    """Debian's etcd-server (3.4), as Dynamo's discovery backend across hosts."""
-
-    def __init__(self, tmp: Path) -> None:
-        exe = shutil.which("etcd")
-        assert exe, "etcd is missing: `make dynamo-system-deps` installs Debian's etcd-server"
-        client, peer = free_port(), free_port()
-        self.endpoint = f"http://127.0.0.1:{client}"
-        self.log = open(tmp / "etcd.log", "a")
-        self.proc = subprocess.Popen([exe, "--name", "kvcr-test", "--data-dir", str(tmp / "etcd"),
-                                      "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-                                      "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                                      "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                                      "--initial-cluster", f"kvcr-test=http://127.0.0.1:{peer}"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until(self._healthy, 30, 0.2, "etcd /health")
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"etcd exited with {self.proc.returncode}")
-        try:
-            return json.loads(http(self.endpoint + "/health", timeout_s=2)[2]).get("health") == "true"
-        except (OSError, ValueError):
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture(params=["file"])
 def discovery(request, tmp_path):
     """Dynamo's discovery backend: "file" (one host); a test takes "etcd" too with
     `@pytest.mark.parametrize("discovery", ["file", "etcd"], indirect=True)`."""
     if request.param == "file":
-        yield {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "discovery")}
+        yield file_discovery(tmp_path / "discovery")
         return
     etcd = Etcd(tmp_path)
     try:
-        yield {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": etcd.endpoint}
+        yield etcd.discovery
     finally:
         etcd.stop()
 
@@ -109,91 +63,12 @@ def discovery(request, tmp_path):
 @pytest.fixture
 def dyn_env(discovery) -> dict:
     """Dynamo's variables for one test: its own discovery store, so tests never see each other."""
-    return {**os.environ, **discovery, "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-            "DYN_RUNTIME_NUM_WORKER_THREADS": "2", "DYN_COMPUTE_THREADS": "1", "DYN_SELF_HOST_METADATA": "0",
-            "KVCR_DYNAMO_PYTHON": dynamo_python()}
+    return dynamo_env(discovery)
 
 
-class Frontend:
-    """`python -m dynamo.frontend --router-mode kv`, as an operator starts it."""
-
-    def __init__(self, tmp: Path, env: dict, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"frontend-{self.port}.log"
-        self.args = [dynamo_python(), "-m", "dynamo.frontend", "--router-mode", "kv", "--http-port", str(self.port),
-                     "--discovery-backend", env["DYN_DISCOVERY_BACKEND"], "--request-plane", "tcp", "--event-plane", "zmq",
-                     "--kv-cache-block-size", str(BLOCK), "--router-event-threads", "1", *extra]
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Frontend":
-        self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
-        wait_until(self._up, 60, 0.2, "the Dynamo frontend's HTTP port")
-        return self
-
-    def _up(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"the frontend exited: {self.log_path.read_text()[-3000:]}")
-        try:
-            return http(self.url + "/health", timeout_s=2)[0] == 200
-        except OSError:
-            return False
-
-    def models(self) -> list[str]:
-        return [m["id"] for m in get_json(self.url + "/v1/models")["data"]]
-
+class Frontend(local.Frontend):
     def complete(self, prompt: str, max_tokens: int = 4, **extra) -> dict:
-        status, _, body = http(self.url + "/v1/completions", {"model": MODEL, "prompt": prompt,
-                                                              "max_tokens": max_tokens, **extra}, timeout_s=180)
-        assert status == 200, body[:500]
-        return json.loads(body)
-
-    def selections(self) -> list[dict]:
-        """Dynamo's own account of each routing decision: the worker and what it held by tier."""
-        text = ANSI.sub("", self.log_path.read_text(errors="replace"))
-        return [{k: v.strip('"') for k, v in FIELD.findall(line)} for line in text.splitlines()
-                if "Selected worker" in line]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-class Probe:
-    """Dynamo's index, from a KvRouter of its own (it follows the same event plane as the frontend)."""
-
-    def __init__(self, tmp: Path, env: dict) -> None:
-        self.log = open(tmp / "probe.log", "a")
-        self.proc = subprocess.Popen([dynamo_python(), str(PROBE), f"{NAMESPACE}.backend.generate", str(BLOCK)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
-                                     text=True)
-        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
-
-    def overlaps(self, tokens: list[int]) -> dict[tuple[int, int], dict]:
-        """(Dynamo worker id, DP rank) -> blocks of `tokens` Dynamo believes it holds, by tier."""
-        self.proc.stdin.write(json.dumps(tokens) + "\n")
-        self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline())
-        return {(int(w["worker_id"]), int(w["dp_rank"])): {"host": w["host_pinned_blocks"], "disk": w["disk_blocks"],
-                                                           "device": w["device_blocks"]}
-                for w in answer["workers"]}
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        return super().complete(MODEL, prompt, max_tokens, **extra)
 
 
 class DynamoWorker(Child):
@@ -210,8 +85,8 @@ class DynamoWorker(Child):
         self.bridge_file.unlink(missing_ok=True)
         super().start()
         self.wait_ready(120)
-        wait_until(lambda: self.bridge_file.exists() or self.proc.poll() is not None, 90, 0.1,
-                   f"{self.name}'s Dynamo registration")
+        wait_for(lambda: self.bridge_file.exists() or self.proc.poll() is not None, 90,
+                 f"{self.name}'s Dynamo registration")
         assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
         self.dynamo_id = json.loads(self.bridge_file.read_text())["worker_id"]
         return self
@@ -241,7 +116,7 @@ def dynamo(tmp_path, dyn_env):
 
         @staticmethod
         def frontend(*extra: str) -> Frontend:
-            fe = Frontend(tmp_path, dyn_env, *extra).start()
+            fe = Frontend(tmp_path, dyn_env, *extra, block_size=BLOCK).start()
             started["frontends"].append(fe)
             return fe
 
@@ -253,7 +128,7 @@ def dynamo(tmp_path, dyn_env):
 
         @staticmethod
         def probe() -> Probe:
-            p = Probe(tmp_path, dyn_env)
+            p = Probe(tmp_path, dyn_env, f"{NAMESPACE}.backend.generate", BLOCK)
             started["probes"].append(p)
             return p
 
@@ -304,15 +179,3 @@ def busy(fe: Frontend, worker: DynamoWorker, prefix: str):
     finally:
         thread.join(300)
     assert not errors, errors
-
-
-def wait_for(fn, timeout_s: float, message: str, interval_s: float = 0.25):
-    """Poll `fn` until it returns something truthy; returns it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {message} (last: {value!r})")
-        time.sleep(interval_s)

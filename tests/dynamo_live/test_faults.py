@@ -9,10 +9,12 @@ import subprocess
 import pytest
 
 from kvcr.client import AttachedWriter, ControlClient
-from kvcr.dynamo.launch import BridgeOptions, start_bridge, stop_bridge
+from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_bridge
 from kvcr.dynamo.model_dir import write_model_dir
-from tests.dynamo import free_port
-from tests.dynamo_live.conftest import MODEL, TOKENIZER, dynamo_python, prompt, wait_for
+from kvcr.proto.announce import announce_request
+from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM
+from kvcr.dynamo.local import free_port
+from tests.dynamo_live.conftest import MODEL, TOKENIZER, prompt, wait_for
 from tests.dynamo_live.conftest import full_blocks as blocks
 from tests.test_service import pages_for
 
@@ -132,3 +134,37 @@ def test_a_runner_restarted_under_a_live_bridge_is_resynced_in_dynamo(dynamo, ru
                  "the restarted runner's new pages in Dynamo")
     finally:
         stop_bridge(bridge)
+
+
+def test_dram_and_nvme_churn_never_double_counts_a_block_in_dynamo(dynamo, tmp_path):
+    """Evictions, write-behind, promotions and re-spills under Dynamo's own reference counting."""
+    fe = dynamo.frontend()
+    w = dynamo.worker("churn", "--set", "dram.size=1Mi", "--set", f"nvme.storage_dir={tmp_path / 'nvme'}",
+                      "--set", "dram.high_watermark=0.85", "--set", "dram.low_watermark=0.7")
+    probe = dynamo.probe()
+    prompts = [prompt(f"churn{i}-") for i in range(8)]
+    for text in prompts + prompts[:4] + prompts:  # later rounds hit pages evicted to NVMe, then promoted
+        fe.complete(text, max_tokens=2)
+    tiers = w.stats()["tiers"]
+    assert tiers["spilled_pages"] > 0 and tiers["promoted_pages"] > 0, tiers  # the churn happened
+    # Dynamo's view equals what the runner holds, tier by tier, for every prompt.
+    with ControlClient(w.info["kvcr_runner"]["endpoints"]["control"]) as client:
+        def agrees() -> bool:
+            _, events = client.snapshot()
+            held = {(e.medium, h) for e in events for h in e.block_hashes}
+            for text in prompts:
+                hashes = [a.event_hash for a in announce_request(TOKENIZER.encode(text), 16)]
+                def lead(*media: str) -> int:
+                    return next((i for i, h in enumerate(hashes) if not any((m, h) in held for m in media)),
+                                len(hashes))
+                seen = view(probe, w.dynamo_id, TOKENIZER.encode(text))
+                # Dynamo reports the prefix on host-pinned, and the prefix on host-pinned or disk.
+                if (seen["host"], seen["disk"]) != (lead(MEDIUM_DRAM), lead(MEDIUM_DRAM, MEDIUM_DISK)):
+                    return False
+            return True
+        wait_for(agrees, CONVERGE_S, "Dynamo's view equal to the runner's inventory")
+    warnings = fe.metric_sums("dynamo_component_kv_cache_event_warnings")
+    assert warnings and all(v == 0 for v in warnings.values()), warnings
+    applied = fe.metric_sums("dynamo_component_kv_cache_events_applied")
+    assert all(v == 0 for k, v in applied.items() if "status=ok" not in k), applied
+    assert sum(v for k, v in applied.items() if "status=ok" in k and "event_type=removed" in k) > 0, applied

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from kvcr.demo.httpc import http
-from kvcr.dynamo.launch import BridgeOptions, start_bridge, stop_bridge
+from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_bridge
 from tokenizers import Tokenizer
-from tests.dynamo_live.conftest import BLOCK, dynamo_python, wait_for
+from tests.dynamo_live.conftest import BLOCK, wait_for
 
 pytestmark = pytest.mark.live_sglang
 

@@ -1,4 +1,5 @@
-"""Dynamo's own KV router index, queried from a test (run with Dynamo's Python).
+"""What Dynamo's own KV router index holds, per worker and tier (run with Dynamo's Python:
+`python kvcr/dynamo/probe.py NAMESPACE.backend.generate BLOCK_SIZE`).
 
 A `KvRouter` from Dynamo's bindings follows the workers' event plane exactly as the frontend's
 router does (and recovers from their local indexers when it starts). Each stdin line is a JSON
