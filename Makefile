@@ -85,6 +85,7 @@ bench: sglang-setup dynamo-setup
 	$(VENV)/bin/python bench/router_overhead.py
 	$(VENV)/bin/python bench/nvme_persist.py
 	$(VENV)/bin/python bench/replay_study.py
+	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/dynamo_frontend.py
 	$(VENV)/bin/python bench/sglang_adapter.py
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live.py
 	$(PIP) install py-spy
