@@ -53,26 +53,32 @@ def main() -> int:
                 rows.append(row)
                 print(row, flush=True)
     speed = ", ".join(f"{p} {sorted(v)[len(v) // 2]:,}" for p, v in speeds.items())
-    # The live check: the trace's first requests through kvcr router + 2 kvcr workers on this machine.
-    live = compare(trace[:args.live_requests], SimConfig(workers=2, dram_blocks=200, speedup=10.0), page_size=16)
-    m = live["measured"]
-    live_row = (f"| {live['requests']} requests, 2 workers x {live['pages_per_worker']} pages, 10x | "
-                f"{m['reuse']:.1%} (DRAM {m['reuse_by_tier']['dram']:.1%}, peer {m['reuse_by_tier']['peer']:.1%}) | "
-                f"{live['simulated']['reuse']:.1%} | {live['reuse_live_over_simulated']:.2f} | {m['errors']} |")
-    print(live_row)
+    # The live check: the trace's first requests through kvcr router, then Dynamo's frontend, each
+    # in front of 2 kvcr workers on this machine.
+    live_rows = []
+    for router, name in (("kvcr", "kvcr router"), ("dynamo", "Dynamo's frontend")):
+        live = compare(trace[:args.live_requests], SimConfig(workers=2, dram_blocks=200, speedup=10.0),
+                       page_size=16, router=router)
+        m = live["measured"]
+        live_rows.append(f"| {name}: {live['requests']} requests, 2 workers x {live['pages_per_worker']} pages, 10x | "
+                         f"{m['reuse']:.1%} (DRAM {m['reuse_by_tier']['dram']:.1%}, peer "
+                         f"{m['reuse_by_tier']['peer']:.1%}) | {live['simulated']['reuse']:.1%} | "
+                         f"{live['reuse_live_over_simulated']:.2f} | {m['errors']} |")
+        print(live_rows[-1], flush=True)
     source = f"`{args.trace}`" if args.trace else f"the synthetic trace ({args.requests} requests, seed 0)"
     intro = (f"`python bench/replay_study.py --requests {args.requests}` on {machine_line()}, {source}; "
              "defaults otherwise (8000 prefill tokens/s per worker, 512-token blocks of 64 MiB, 25 GB/s pulls). "
              "Each cell: fraction of prefix blocks reused / mean TTFT of the queueing model. Ratios against the "
              "ideal single cache (reuse) and KV-aware routing without pulls (TTFT), from the same run. "
              f"Simulator speed, median simulated requests/s per run: {speed}. The second table: the trace's first "
-             f"{args.live_requests} requests through `kvcr router` + 2 `kvcr worker`s on this machine (one 16-token "
+             f"{args.live_requests} requests through `kvcr router`, then Dynamo 1.6.1's unmodified frontend and KV "
+             "router, each in front of 2 `kvcr worker`s on this machine (one 16-token "
              "page per block, DRAM only, arrivals 10x faster) against the simulation of that same cluster. "
              "Method: docs/replay.md.")
     columns = ["workers", "DRAM blocks each", "speed-up", *POLICIES, "kvcr reuse / ideal", "kvcr TTFT / kv TTFT"]
     live_columns = ["live run", "reuse measured", "reuse simulated (same cluster)", "measured / simulated", "errors"]
     publish("replay", "Replay study: kvcr against the alternatives on a trace", intro,
-            [table(columns, rows), table(live_columns, [live_row])], write=not args.no_write)
+            [table(columns, rows), table(live_columns, live_rows)], write=not args.no_write)
     return 0
 
 

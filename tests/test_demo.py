@@ -57,9 +57,10 @@ def leftovers(run_dir: Path, log: Path) -> list[str]:
     return found
 
 
-def test_the_small_demo_pulls_from_peers_and_every_cached_answer_matches_the_oracle(tmp_path):
+@pytest.mark.parametrize("router", ["kvcr", pytest.param("dynamo", marks=pytest.mark.dynamo_frontend)])
+def test_the_small_demo_pulls_from_peers_and_every_cached_answer_matches_the_oracle(tmp_path, router):
     run_dir = tmp_path / "run"
-    proc, log = start_demo(run_dir)
+    proc, log = start_demo(run_dir, "--router", router)
     assert proc.wait(300) == 0, log.read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ok"] and not summary["errors"] and summary["problems"] == []
@@ -69,6 +70,9 @@ def test_the_small_demo_pulls_from_peers_and_every_cached_answer_matches_the_ora
     assert summary["oracle"]["max_abs_vs_one_shot"] <= 1e-4
     assert (run_dir / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "demo OK" in log.read_text()
+    assert summary["router"] == router
+    if router == "dynamo":  # Dynamo's router placed every request; its hints drove the pulls
+        assert summary["dynamo_hints"] > 0 and "Dynamo's KV router decided every request" in log.read_text()
     assert leftovers(run_dir, log) == []
 
 

@@ -111,13 +111,16 @@ def test_replay_writes_json_and_charts_and_refuses_a_bad_trace(tmp_path):
     assert run.returncode == 2 and "line 2" in run.stderr
 
 
-def test_the_live_mode_drives_the_trace_through_the_router_and_workers_and_reports_both(tmp_path):
+@pytest.mark.parametrize("router", ["kvcr", pytest.param("dynamo", marks=pytest.mark.dynamo_frontend)])
+def test_the_live_mode_drives_the_trace_through_the_router_and_workers_and_reports_both(tmp_path, router):
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "kvcr.cli", "replay", "--synthetic", "80", "--workers", "2",
                           "--capacity-blocks", "200", "--live", "--live-requests", "60", "--speedup", "20",
-                          "--no-charts", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--live-router", router, "--no-charts", "--out", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     live = json.loads((out / "replay.json").read_text())["live"]
+    assert live["router"] == router
     measured = live["measured"]
     assert live["requests"] == 60 and measured["requests"] == 60 and measured["errors"] == 0
     assert measured["reuse"] > 0 and live["simulated"]["reuse"] > 0  # shared system prompts are reused in both

@@ -37,6 +37,8 @@ class Outcome:
     device_pages: int = 0
     host_pages: int = 0
     prompt_ids_match: bool | None = None
+    # behind Dynamo: whether Dynamo's router attached a kv_hint (None: our router, not recorded)
+    hinted: bool | None = None
 
 
 class Driver:
@@ -94,6 +96,45 @@ class Driver:
                        kv["prefill_s"], kv["saved_s"], latency, kv["oracle"])
 
 
+class DynamoDriver(Driver):
+    """The same conversations through Dynamo's frontend: pins travel as `nvext.backend_instance_id`,
+    and what serving each request took is read back from the worker that served it, by the request
+    id Dynamo gave it (`chatcmpl-<id>`): Dynamo's responses carry no kvcr fields."""
+
+    def __init__(self, frontend_url: str, workers: dict[str, tuple[str, int]], conversations: list[Conversation], *,
+                 model: str, **kwargs) -> None:
+        super().__init__(frontend_url, list(workers), conversations, **kwargs)
+        self.endpoints = workers  # name -> (worker URL, Dynamo worker id)
+        self.model = model
+
+    def _send(self, phase: str, step: Step) -> Outcome:
+        messages = self.messages[step.conversation]
+        messages.append({"role": "user", "content": step.user})
+        pin = pick_pin(step, self.workers, self.served_by[step.conversation])
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "ignore_eos": True,
+                **({"nvext": {"backend_instance_id": self.endpoints[pin][1]}} if pin else {})}
+        start = time.perf_counter()
+        status, _, raw = http(self.url + "/v1/chat/completions", body)
+        latency = time.perf_counter() - start
+        if status != 200:
+            return Outcome(phase, step.conversation, step.turn, "?", pin is not None, 0, 0, 0, 0, 0, None, 0.0, 0.0,
+                           latency, None, f"HTTP {status}: {raw[:300]!r}")
+        out = json.loads(raw)
+        messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        worker, kv = self._served(out["id"].split("-", 1)[1])
+        self.served_by[step.conversation].append(worker)
+        return Outcome(phase, step.conversation, step.turn, worker, pin is not None, kv["prompt_tokens"],
+                       kv["dram_pages"], kv["nvme_pages"], kv["peer_pages"], kv["stored_pages"], kv["source"],
+                       kv["prefill_s"], kv["saved_s"], latency, kv["oracle"], hinted=kv["hinted"])
+
+    def _served(self, rid: str) -> tuple[str, dict]:
+        for name, (url, _) in self.endpoints.items():
+            status, _, raw = http(f"{url}/kvcr/served/{rid}")
+            if status == 200:
+                return name, json.loads(raw)
+        raise RuntimeError(f"no worker served Dynamo's request {rid}")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--router", required=True, help="the router's base URL")
     p.add_argument("--workers", required=True, help="worker names, comma-separated")
@@ -104,6 +145,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--info-file", help="written once the driver runs")
     p.add_argument("--engine", default="worker", choices=("worker", "sglang"))
+    # --router dynamo: --router is Dynamo's frontend; each worker as NAME=URL=DYNAMO_ID
+    p.add_argument("--dynamo-workers", help="dynamo: NAME=URL=DYNAMO_WORKER_ID,... (the frontend is --router)")
+    p.add_argument("--model", help="dynamo: the model name the frontend serves")
     # --engine sglang (sglang_driver.py)
     p.add_argument("--reference", help="sglang: the reference engine's URL (cold computations, the oracle)")
     p.add_argument("--runners", help="sglang: NAME=URL,... each engine's runner HTTP endpoint (its /metrics)")
@@ -133,6 +177,11 @@ def run_process(args) -> int:
             from .sglang_driver import SGLangDriver
 
             SGLangDriver.from_args(args, workers, convs, record).run(phases)
+        elif args.dynamo_workers:
+            endpoints = {name: (url, int(wid)) for name, url, wid in
+                         (item.split("=", 2) for item in args.dynamo_workers.split(","))}
+            DynamoDriver(args.router, endpoints, convs, model=args.model, max_tokens=args.max_tokens,
+                         concurrency=len(endpoints), record=record).run(phases)
         else:
             Driver(args.router, workers, convs, max_tokens=args.max_tokens, concurrency=len(workers),
                    record=record).run(phases)

@@ -23,6 +23,7 @@ from .procs import Child, stop_all, worker_command
 
 
 ENGINES = ("worker", "sglang")
+ROUTERS = ("kvcr", "dynamo")
 # --engine sglang's own defaults for the options not given (argparse holds the worker's)
 SGLANG_DEFAULTS = {"workers": 2, "dram": "1Mi"}
 
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="worker", choices=ENGINES,
                    help="worker: `kvcr worker` processes (torch model); sglang: live SGLang 0.5.23 engines with "
                         "kvcr's backend, plus a reference engine for the oracle (needs `make sglang-setup`)")
+    p.add_argument("--router", default="kvcr", choices=ROUTERS,
+                   help="kvcr: our reference router; dynamo: Dynamo 1.6.1's unmodified frontend and KV router "
+                        "(needs `make dynamo-setup`; --engine worker only)")
     p.add_argument("--workers", type=int, default=3, action=_Given,
                    help="engines behind the router (default 3; sglang: 2)")
     p.add_argument("--conversations", type=int, default=6)
@@ -65,6 +69,7 @@ class Demo:
     """The `kvcr worker` variant; SGLangDemo (sglang_engines.py) replaces the engines."""
 
     engine = "worker"
+    router_kind = "kvcr"
 
     def __init__(self, args: argparse.Namespace, run_dir: Path, tmp: Path) -> None:
         self.args = args
@@ -115,6 +120,9 @@ class Demo:
         self.router.wait_ready()
         _say(f"      router {self.router.url}  (/metrics, /debug/index)")
 
+    def router_url(self) -> str:
+        return self.router.url
+
     def driver_args(self) -> list[str]:
         return []
 
@@ -123,7 +131,7 @@ class Demo:
         a = self.args
         out = self.tmp / "outcomes.jsonl"
         driver = Child(self.run_dir / "logs", "driver", [
-            "demo-driver", "--router", self.router.url, "--workers", ",".join(self.worker_names),
+            "demo-driver", "--router", self.router_url(), "--workers", ",".join(self.worker_names),
             "--out", str(out), "--seed", str(a.seed), "--conversations", str(a.conversations),
             "--turns", str(a.turns), "--max-tokens", str(a.max_tokens), *self.driver_args()], self.env)
         self.children.append(driver)
@@ -248,6 +256,9 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
                         engine=demo.engine)
     if demo.feed is not None and demo.feed.control is not None:
         summary["oracle"]["control"] = demo.feed.control
+    summary["router"] = demo.router_kind
+    if demo.router_kind == "dynamo":
+        summary["dynamo_hints"] = sum(bool(o.hinted) for o in outcomes)
     problems = _verdict(summary)
     summary["ok"] = not problems
     summary["problems"] = problems
@@ -267,6 +278,8 @@ def _finish(demo: Demo, outcomes: list, elapsed: float) -> int:
         _say(f"[4/4] {summary['peer_hits']} pages pulled from peers; oracle: {o['checks']} answers from cached KV, "
              f"{o['chunked_bitwise_equal']} bitwise equal to a local run, max |Δ| vs one-shot prefill "
              f"{o['max_abs_vs_one_shot']:.2e} (limit 1e-4)")
+    if demo.router_kind == "dynamo":
+        _say(f"      Dynamo's KV router decided every request and attached {summary['dynamo_hints']} kv_hints")
     _say(f"      wrote {demo.run_dir / 'summary.json'} and {demo.run_dir / 'chart.png'}")
     for p in problems:
         _say(f"demo FAILED: {p}")
@@ -294,6 +307,19 @@ def _resolve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _resolve(args)
     demo_class = Demo
+    if args.router == "dynamo":
+        if args.engine != "worker":
+            _say("kvcr demo --router dynamo runs `kvcr worker` engines only (SGLang behind Dynamo: docs/dynamo.md)")
+            return 2
+        from ..dynamo.launch import DynamoSetupError, dynamo_python
+        from .dynamo_router import DynamoDemo
+
+        try:
+            dynamo_python()
+        except DynamoSetupError as exc:
+            _say(f"kvcr demo --router dynamo: {exc}")
+            return 2
+        demo_class = DynamoDemo
     if args.engine == "sglang":
         from .sglang_engines import SGLangDemo, SGLangMissing, require_sglang
 

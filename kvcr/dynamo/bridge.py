@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -92,7 +93,8 @@ class Forwarder:
     async def generate(self, request: dict, context=None):
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300))
-        body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle)
+        body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle,
+                             rid=context.id() if context is not None else None)
         self.num_requests += 1
         if "kv_hints" in body:
             self.num_hints += 1
@@ -197,6 +199,10 @@ async def serve(args: argparse.Namespace) -> None:
         feed.stop()
         await forwarder.close()
         rt.shutdown()
+        # Dynamo's runtime finishes its shutdown (deregistration included) through this loop: keep it
+        # running until the endpoint has returned, or it calls back into a closed loop.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serving, 5)
 
 
 def main(argv: list[str] | None = None) -> int:

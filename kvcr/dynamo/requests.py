@@ -35,8 +35,10 @@ def _section(request: dict, key: str) -> dict:
     return value
 
 
-def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False) -> dict:
-    """The engine's `/generate` body for one Dynamo request (streamed, greedy unless asked)."""
+def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False, rid: str | None = None) -> dict:
+    """The engine's `/generate` body for one Dynamo request (streamed, greedy unless asked); `rid`
+    is Dynamo's request id, which its response carries (`cmpl-<rid>`), so a client can find what
+    serving it took (a kvcr worker's /kvcr/served/<rid>)."""
     if not isinstance(request, dict):
         raise BridgeRequestError("a Dynamo request must be an object")
     tokens = request.get("token_ids")
@@ -57,6 +59,8 @@ def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False
         body["kv_hints"] = request["kv_hint"]  # the name SGLang's /generate takes; the kvcr worker takes both
     if oracle:
         body["kvcr_oracle"] = True
+    if rid:
+        body["rid"] = rid
     return body
 
 

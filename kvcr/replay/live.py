@@ -1,5 +1,6 @@
-"""`kvcr replay --live`: the trace through the real stack (`kvcr router` and `kvcr worker`s on
-this machine), next to what the simulation predicts for the same workers.
+"""`kvcr replay --live`: the trace through the real stack (`kvcr router`, or Dynamo's frontend with
+`--live-router dynamo`, and `kvcr worker`s on this machine), next to what the simulation predicts
+for the same workers.
 
 Block-size scaling: each trace block becomes one KV page of `--page-size` tokens (ids drawn from
 the block id, so equal ids give equal pages); a request is its full blocks. Time compression:
@@ -45,26 +46,42 @@ def page_tokens(block: int, page_size: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(page_size)]
 
 
-class LiveCluster:
-    """N `kvcr worker`s (no NVMe: DRAM only, as the matching simulation) behind `kvcr router`."""
 
-    def __init__(self, workers: int, *, page_size: int, dram: str, run_dir: Path) -> None:
+class LiveCluster:
+    """N `kvcr worker`s (no NVMe: DRAM only, as the matching simulation) behind `kvcr router`, or
+    behind Dynamo's unmodified frontend and KV router (`router="dynamo"`, workers run `--dynamo`)."""
+
+    def __init__(self, workers: int, *, page_size: int, dram: str, run_dir: Path, router: str = "kvcr") -> None:
         self.run_dir = run_dir
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.kind = router
         env = {**SINGLE_HOST_UCX_ENV, **os.environ}
-        self.workers = [Child(self.logs, f"w{i}", worker_command(
+        if router == "dynamo":
+            from kvcr.dynamo.local import dynamo_env, file_discovery
+
+            env = dynamo_env(file_discovery(run_dir / "discovery"), env)
+        extra = ["--dynamo"] if router == "dynamo" else []
+        self.workers = [Child(self.logs, f"w{i}", [*worker_command(
             f"w{i}", run_dir / f"w{i}", page_size=page_size, layers=2, hidden=64, seed=0, dram=dram,
-            transport="get", nvme=False), env) for i in range(workers)]
+            transport="get", nvme=False), *extra], env) for i in range(workers)]
         self.router: Child | None = None
+        self.frontend = None
         self.env = env
         self.page_size = page_size
 
     def start(self) -> "LiveCluster":
+        if self.kind == "dynamo":
+            from kvcr.dynamo.local import Frontend
+
+            self.frontend = Frontend(self.logs, self.env, block_size=self.page_size).start()
         for w in self.workers:
             w.start()
         for w in self.workers:
             w.wait_ready()
+        if self.kind == "dynamo":
+            self._await_dynamo()
+            return self
         cfg = {"router": {"port": 0, "block_size": self.page_size},
                "workers": [{"name": w.name, "url": w.url} for w in self.workers]}
         (self.run_dir / "router.json").write_text(json.dumps(cfg))
@@ -73,16 +90,46 @@ class LiveCluster:
         self.router.wait_ready()
         return self
 
+    def _await_dynamo(self) -> None:
+        from kvcr.dynamo.local import poll
+
+        for w in self.workers:
+            poll(lambda: Path(str(w.info_file) + ".dynamo").exists() or w.proc.poll() is not None, 90,
+                 f"{w.name}'s Dynamo registration")
+        self.model = self.workers[0].info["model"]
+        poll(lambda: self.model in self.frontend.models(), 60, "the model served by Dynamo")
+
+    def send(self, tokens: list[int], rid: str) -> tuple[int, dict | bytes]:
+        """One request (one token generated) through the router: (HTTP status, the worker's `kvcr`
+        record of what serving it took, or the error body)."""
+        if self.kind == "kvcr":
+            body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}, "rid": rid}
+            status, _, raw = http(self.router.url + "/generate", body, timeout_s=120)
+            return (status, json.loads(raw)["meta_info"]["kvcr"]) if status == 200 else (status, raw)
+        # Dynamo's responses carry no kvcr fields: the worker that served it keeps them by Dynamo's id.
+        status, _, raw = http(self.frontend.url + "/v1/completions", {
+            "model": self.model, "prompt": tokens, "max_tokens": 1, "ignore_eos": True}, timeout_s=120)
+        if status != 200:
+            return status, raw
+        dynamo_id = json.loads(raw)["id"].split("-", 1)[1]
+        for w in self.workers:
+            status, _, record = http(f"{w.url}/kvcr/served/{dynamo_id}")
+            if status == 200:
+                return 200, json.loads(record)
+        return 500, f"no worker served Dynamo's request {dynamo_id}".encode()
+
     @property
     def slots_per_worker(self) -> int:
         return min(pool["num_slots"] for w in self.workers for pool in w.info["kvcr_runner"]["pools"])
 
     def stop(self) -> None:
         stop_all([*([self.router] if self.router else []), *self.workers])
+        if self.frontend is not None:
+            self.frontend.stop()
 
 
-def drive(url: str, trace: Sequence[TraceRequest], *, page_size: int, speedup: float, concurrency: int = 8,
-          progress: Callable[[int], None] = lambda n: None) -> list[LiveOutcome]:
+def drive(cluster: LiveCluster, trace: Sequence[TraceRequest], *, page_size: int, speedup: float,
+          concurrency: int = 8, progress: Callable[[int], None] = lambda n: None) -> list[LiveOutcome]:
     """Send each request at its (compressed) arrival time; outcomes in trace order."""
     t0 = time.monotonic()
     first = trace[0].arrival_s if trace else 0.0
@@ -94,14 +141,12 @@ def drive(url: str, trace: Sequence[TraceRequest], *, page_size: int, speedup: f
         if delay > 0:
             time.sleep(delay)
         tokens = [t for b in req.blocks for t in page_tokens(b, page_size)]
-        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}, "rid": f"replay-{i}"}
         start = time.monotonic()
-        status, _, raw = http(url + "/generate", body, timeout_s=120)
+        status, kv = cluster.send(tokens, f"replay-{i}")
         latency = time.monotonic() - start
         if status != 200:
-            result = LiveOutcome(len(req.blocks), 0, 0, 0, latency, f"HTTP {status}: {raw[:200]!r}")
+            result = LiveOutcome(len(req.blocks), 0, 0, 0, latency, f"HTTP {status}: {kv[:200]!r}")
         else:
-            kv = json.loads(raw)["meta_info"]["kvcr"]
             result = LiveOutcome(len(req.blocks), kv["dram_pages"], kv["nvme_pages"], kv["peer_pages"], latency)
         with lock:
             out[i] = result
@@ -125,28 +170,29 @@ def summarise(outcomes: Sequence[LiveOutcome]) -> dict:
 
 
 def compare(trace: Sequence[TraceRequest], cfg: SimConfig, *, page_size: int, run_dir: Path | None = None,
-            progress: Callable[[int], None] = lambda n: None) -> dict:
+            router: str = "kvcr", progress: Callable[[int], None] = lambda n: None) -> dict:
     """The trace through a live cluster shaped as `cfg` (its workers, DRAM of cfg.dram_blocks pages,
     no NVMe, its speed-up), and the kvcr simulation of that same cluster."""
     page_bytes = 2 * 2 * page_size * 64 * 4  # the live workers' model: 2 layers, hidden 64, float32
     live, slots = run_live(trace, workers=cfg.workers, page_size=page_size, dram=str(cfg.dram_blocks * page_bytes),
-                           speedup=cfg.speedup, run_dir=run_dir, progress=progress)
+                           speedup=cfg.speedup, run_dir=run_dir, router=router, progress=progress)
     same = replace(cfg, dram_blocks=slots, nvme_blocks=0, block_tokens=page_size)
     full_blocks = [replace(r, input_length=len(r.blocks) * page_size) for r in trace]
     predicted = simulate(full_blocks, same, ["kvcr"])["kvcr"].summary(same.block_bytes)
-    return {"requests": len(trace), "pages_per_worker": slots, "measured": live,
+    return {"requests": len(trace), "router": router, "pages_per_worker": slots, "measured": live,
             "simulated": {k: predicted[k] for k in ("reuse", "reuse_by_tier", "pulled_blocks")},
             "reuse_live_over_simulated": live["reuse"] / predicted["reuse"] if predicted["reuse"] else None}
 
 
 def run_live(trace: Sequence[TraceRequest], *, workers: int, page_size: int, dram: str, speedup: float,
-             run_dir: Path | None = None, progress: Callable[[int], None] = lambda n: None) -> tuple[dict, int]:
+             run_dir: Path | None = None, router: str = "kvcr",
+             progress: Callable[[int], None] = lambda n: None) -> tuple[dict, int]:
     """(live summary, DRAM pages per worker): the cluster is started and stopped here."""
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvcr-replay-live-"))
-    cluster = LiveCluster(workers, page_size=page_size, dram=dram, run_dir=run_dir)
+    cluster = LiveCluster(workers, page_size=page_size, dram=dram, run_dir=run_dir, router=router)
     try:
         cluster.start()
-        outcomes = drive(cluster.router.url, trace, page_size=page_size, speedup=speedup, progress=progress)
+        outcomes = drive(cluster, trace, page_size=page_size, speedup=speedup, progress=progress)
         return summarise(outcomes), cluster.slots_per_worker
     finally:
         cluster.stop()

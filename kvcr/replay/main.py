@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(one page of --page-size tokens per block, DRAM of --capacity-blocks pages, no NVMe) and "
                         "compare with the simulation of the same cluster")
     p.add_argument("--live-requests", type=int, default=200)
+    p.add_argument("--live-router", default="kvcr", choices=("kvcr", "dynamo"),
+                   help="live: our router, or Dynamo 1.6.1's unmodified frontend and KV router (make dynamo-setup)")
     p.add_argument("--page-size", type=int, default=16, help="live: tokens per KV page (one per trace block)")
 
 
@@ -117,11 +119,12 @@ def live_comparison(args: argparse.Namespace, trace: list, console) -> dict:
 
     part = trace[:args.live_requests]
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"live: {len(part)} requests through kvcr router + {args.workers} workers", total=len(part))
+        router = "Dynamo's frontend" if args.live_router == "dynamo" else "kvcr router"
+        task = bar.add_task(f"live: {len(part)} requests through {router} + {args.workers} workers", total=len(part))
         result = compare(part, config(args), page_size=args.page_size, run_dir=Path(args.out) / "live",
-                         progress=lambda n: bar.advance(task, n))
+                         router=args.live_router, progress=lambda n: bar.advance(task, n))
     live, predicted, agreement = result["measured"], result["simulated"], result["reuse_live_over_simulated"]
-    console.print(f"live: reuse {live['reuse']:.1%} (DRAM {live['reuse_by_tier']['dram']:.1%}, peer "
+    console.print(f"live ({router}): reuse {live['reuse']:.1%} (DRAM {live['reuse_by_tier']['dram']:.1%}, peer "
                   f"{live['reuse_by_tier']['peer']:.1%}), simulation of the same cluster {predicted['reuse']:.1%}"
                   + (f": live / simulated {agreement:.2f}" if agreement is not None else "")
                   + f"; {live['errors']} errors, latency p50 {live['latency_p50_s']:.3f} s")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 import torch
 
@@ -51,11 +52,15 @@ def dynamo_companion(args: argparse.Namespace, worker: Worker):
                                 max_positions=worker.engine.model.cfg.max_positions, bos_id=tok.bos_id,
                                 eos_id=tok.eos_id, special=tok.special_tokens or DEFAULT_SPECIAL)
 
+    ready = args.info_file + ".dynamo" if args.info_file else None
+    if ready:
+        Path(ready).unlink(missing_ok=True)  # a previous run's: it names a Dynamo worker that is gone
+
     def start(url: str):
         options = BridgeOptions(backend=url, model_path=str(model_dir), python=python,
                                 model_name=args.dynamo_model_name or worker.model_name,
                                 namespace=args.dynamo_namespace, oracle=args.dynamo_oracle,
-                                ready_file=args.info_file + ".dynamo" if args.info_file else None)
+                                ready_file=ready)
         return start_bridge(options)
     return start
 

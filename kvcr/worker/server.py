@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from . import responses as r
 from .engine import POOL, Engine
 
 log = logging.getLogger(__name__)
+SERVED_KEPT = 4096  # requests remembered for /kvcr/served/{rid}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,9 @@ class Worker:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.inflight = 0
+        # rid -> what serving it took (the response's `kvcr` section): for a router that does not pass
+        # our response extensions back (Dynamo's frontend), looked up by the request id it sent.
+        self.served: OrderedDict[str, dict] = OrderedDict()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcr-engine")  # one model step at a time
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RunnerCollector(service))
@@ -121,7 +126,7 @@ class Worker:
                         web.get("/health", self.health), web.get("/health_generate", self.health),
                         web.get("/server_info", self.server_info), web.get("/get_server_info", self.server_info),
                         web.get("/v1/models", self.models), web.get("/metrics", self.metrics),
-                        web.get("/info", self.server_info)])
+                        web.get("/info", self.server_info), web.get("/kvcr/served/{rid}", self.served_request)])
         return app
 
     def info(self) -> dict:
@@ -147,6 +152,18 @@ class Worker:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(self.info())
+
+    async def served_request(self, request: web.Request) -> web.Response:
+        record = self.served.get(request.match_info["rid"])
+        if record is None:
+            return web.json_response({"error": {"message": "no such request served here (recently)"}}, status=404)
+        return web.json_response(record)
+
+    def _remember(self, served: r.Served, hinted: bool) -> None:
+        self.served[served.rid] = {**r.meta_info(served, 0, None)["kvcr"], "prompt_tokens": served.info.prompt_tokens,
+                                   "hinted": hinted}
+        while len(self.served) > SERVED_KEPT:
+            self.served.popitem(last=False)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
@@ -179,6 +196,7 @@ class Worker:
         info, steps = await self._run(self.engine.generate, job.tokens, job.max_new_tokens, hint=job.hint,
                                       oracle=job.oracle, stop_ids=stop)
         served = r.Served(job.rid, int(time.time()), self.model_name, route, info, self.engine.page_size)
+        self._remember(served, job.hint is not None)
         if not job.stream:
             ids = await self._run(list, steps)
             finish = "stop" if ids and ids[-1] in stop else "length"
