@@ -7,11 +7,9 @@ import json
 import logging
 import os
 import sys
-import urllib.request
 from pathlib import Path
 
 from . import __version__
-from .config import CurveKeys
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -47,24 +45,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "", curve: CurveKeys | None = None) -> dict:
-    """A runner's info, from its control socket (tcp://, ipc://) or its HTTP endpoint (`token`:
-    its runner.http_token). Only the control socket's answer holds what a peer pulls with."""
-    if endpoint.startswith(("http://", "https://")):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        request = urllib.request.Request(endpoint.rstrip("/") + "/info", headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return json.load(resp)
-    from .client import ControlClient
-
-    with ControlClient(endpoint, timeout_s=timeout_s, curve=curve) as client:
-        return client.info()
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     from .keys import client_http_token
 
     try:
+        from .client import fetch_info
+
         print(json.dumps(fetch_info(args.endpoint, args.timeout, token=client_http_token()), indent=2))
     except (TimeoutError, OSError, ValueError) as exc:  # ValueError: a bad key in the environment
         print(f"kvcr info: {args.endpoint}: {exc}", file=sys.stderr)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
+import urllib.request
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -129,6 +131,18 @@ class ControlClient:
             events.extend(decode_event(e) for e in part.events)
             if part.done:
                 return part.seq, events
+
+
+def fetch_info(endpoint: str, timeout_s: float = 5.0, *, token: str = "", curve: CurveKeys | None = None) -> dict:
+    """A runner's info, from its control socket (tcp://, ipc://) or its HTTP endpoint (`token`:
+    its runner.http_token). Only the control socket's answer holds what a peer pulls with."""
+    if endpoint.startswith(("http://", "https://")):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(endpoint.rstrip("/") + "/info", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return json.load(resp)
+    with ControlClient(endpoint, timeout_s=timeout_s, curve=curve) as client:
+        return client.info()
 
 
 @dataclass

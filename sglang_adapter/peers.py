@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 
-from kvcr.cli import fetch_info
+from kvcr.client import fetch_info
 from kvcr.client import ControlClient, ControlError
 from kvcr.config import CurveKeys
 from kvcr.proto.events import EventBatch

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvcr.cli import fetch_info
+from kvcr.client import fetch_info
 from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.proto import messages as m
 from kvcr.proto.announce import announce_request

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ..client import fetch_info
 from ..keys import client_http_token
 from ..proto.hints import WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
 from .feed import FeedRelay
@@ -47,11 +48,7 @@ class RunnerView:
 
 
 def _get_json(url: str, timeout_s: float = 5.0) -> dict:
-    """GET with the deployment's HTTP token (KVCR_HTTP_TOKEN or KVCR_KEYS_DIR): a runner's /info
-    reachable from other hosts asks for it."""
-    token = client_http_token()
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return json.load(resp)
 
 
@@ -71,7 +68,7 @@ def runner_view(info: dict, *, dp_rank: int | None) -> RunnerView:
 
 def fetch_runner_info(backend: str, runner: str | None) -> dict:
     if runner:
-        return _get_json(runner.rstrip("/") + "/info")
+        return fetch_info(runner, token=client_http_token())
     info = _get_json(backend.rstrip("/") + "/server_info")
     if "kvcr_runner" not in info:
         raise BridgeError(f"{backend} is not a kvcr worker (no kvcr_runner in /server_info): pass --runner "

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvcr.cli import fetch_info
+from kvcr.client import fetch_info
 from kvcr.keys import client_http_token
 from kvcr.client import ControlClient, ControlError
 from kvcr.proto import messages as m
