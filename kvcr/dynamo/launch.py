@@ -70,6 +70,7 @@ def start_bridge(options: BridgeOptions, *, log_path: str | None = None, env: di
 
 
 def stop_bridge(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM (Dynamo deregisters the worker), then SIGKILL after `timeout_s`."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

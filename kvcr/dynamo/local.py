@@ -11,14 +11,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 from ..demo.httpc import get_json, http
-from .launch import dynamo_python
+from .launch import dynamo_python, stop_bridge
 
 PROBE = Path(__file__).with_name("probe.py")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -54,16 +53,6 @@ def file_discovery(directory: Path) -> dict:
     return {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(directory)}
 
 
-def _stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Etcd:
     """Debian's etcd-server (3.4, which Dynamo 1.6.1's client speaks) on loopback ports."""
 
@@ -95,7 +84,7 @@ class Etcd:
             return False
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_bridge(self.proc, 15.0)
         self.log.close()
 
 
@@ -156,7 +145,7 @@ class Frontend:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_bridge(self.proc, 15.0)
             self.log.close()
 
 

@@ -21,6 +21,14 @@ from tests.test_service import pages_for
 CONVERGE_S = 10  # the issue's bound: Dynamo's view matches the runner within 10 s
 
 
+def put(control: str, keys, data, announces) -> None:
+    """Store pages in a runner through its control socket, announced as an engine would."""
+    with ControlClient(control) as client:
+        writer = AttachedWriter(client)
+        writer.put("kv", keys, data, announces)
+        writer.close()
+
+
 def view(probe, worker_id: int, tokens: list[int], rank: int = 0) -> dict | None:
     return probe.overlaps(tokens).get((worker_id, rank))
 
@@ -78,10 +86,7 @@ def test_a_runner_on_dp_rank_1_is_indexed_at_rank_1(dynamo):
     probe = dynamo.probe()
     keys, ann, data = pages_for(5, seed=21, page_bytes=w.info["kvcr_runner"]["pools"][0]["page_bytes"])
     tokens = [t for a in ann for t in a.token_ids]
-    with ControlClient(w.info["kvcr_runner"]["endpoints"]["control"]) as client:
-        writer = AttachedWriter(client)
-        writer.put("kv", keys, data, ann)
-        writer.close()
+    put(w.info["kvcr_runner"]["endpoints"]["control"], keys, data, ann)
     got = wait_for(lambda: (view(probe, w.dynamo_id, tokens, rank=1) or {}).get("host") == 5, CONVERGE_S,
                    "the rank-1 pages in Dynamo")
     assert got and view(probe, w.dynamo_id, tokens, rank=0) is None
@@ -117,19 +122,13 @@ def test_a_runner_restarted_under_a_live_bridge_is_resynced_in_dynamo(dynamo, ru
         probe = dynamo.probe()
         keys, ann, data = pages_for(6, seed=31, page_bytes=4096)
         tokens = [t for a in ann for t in a.token_ids]
-        with ControlClient(info["endpoints"]["control"]) as client:
-            writer = AttachedWriter(client)
-            writer.put("kv", keys, data, ann)
-            writer.close()
+        put(info["endpoints"]["control"], keys, data, ann)
         wait_for(lambda: (view(probe, worker_id, tokens) or {}).get("host") == 6, CONVERGE_S, "pages in Dynamo")
         runner.stop(signal.SIGKILL)  # no removals, and its restart's first batches reach no subscriber
         runner.start()
         wait_for(lambda: (view(probe, worker_id, tokens) or {}).get("host") == 0, CONVERGE_S,
                  "Dynamo's view of the restarted runner emptied")
-        with ControlClient(info["endpoints"]["control"]) as client:
-            writer = AttachedWriter(client)
-            writer.put("kv", keys[:3], data[:3], ann[:3])
-            writer.close()
+        put(info["endpoints"]["control"], keys[:3], data[:3], ann[:3])
         wait_for(lambda: (view(probe, worker_id, tokens) or {}).get("host") == 3, CONVERGE_S,
                  "the restarted runner's new pages in Dynamo")
     finally:
