@@ -16,7 +16,6 @@ index built from the same runners' event streams.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ from kvcr.client import ControlClient  # noqa: E402
 from kvcr.demo.httpc import http  # noqa: E402
 from kvcr.demo.procs import Child, stop_all  # noqa: E402
 from kvcr.dynamo.launch import dynamo_python  # noqa: E402
-from kvcr.dynamo.local import Frontend, Probe, dynamo_env, file_discovery, poll  # noqa: E402
+from kvcr.dynamo.local import Frontend, Probe, await_registration, dynamo_env, file_discovery, poll  # noqa: E402
 from kvcr.dynamo.model_dir import write_model_dir  # noqa: E402
 from router_hints.core import RouterCore  # noqa: E402
 from router_hints.discovery import from_runner_info  # noqa: E402
@@ -101,16 +100,16 @@ def kvcr_stack(run: Path, texts: list[str], concurrency: int) -> dict:
     try:
         for w in workers:
             w.start()
+        ids = {}
         for w in workers:
             w.wait_ready()
-            poll(lambda: Path(str(w.info_file) + ".dynamo").exists(), 90, f"{w.name} registered")
+            ids[await_registration(w)] = w
         poll(lambda: KVCR_MODEL in fe.models(), 60, "the model served")
         fe.complete(KVCR_MODEL, "warm up", max_tokens=1)
         live = Probe(run, env, "kvcr.backend.generate", BLOCK)  # follows the events as they come
         seq_rate, seq_lat = drive(fe, KVCR_MODEL, texts, 1)
         # The same requests again, straight to the worker Dynamo chose for each (the baseline).
         chosen = [int(s["worker_id"]) for s in fe.selections()[-len(texts):]]
-        ids = {json.loads(Path(str(w.info_file) + ".dynamo").read_text())["worker_id"]: w for w in workers}
         direct = []
         for text, wid in zip(texts, chosen):
             t0 = time.perf_counter()

@@ -103,6 +103,7 @@ class Service:
                 "capabilities": list(CAPABILITIES), "incarnation": self.runner.incarnation,
                 "name": self.cfg.runner.name, "dp_rank": self.cfg.runner.dp_rank,
                 "block_size": self.cfg.runner.block_size, "event_format": self.cfg.events.event_format,
+                "heartbeat_s": self.cfg.events.heartbeat_s,
                 "endpoints": {"events": self.publisher.bound_endpoint,
                               "replay": self.publisher.bound_replay_endpoint,
                               "control": self.control.bound_endpoint, "http": self.http.url},

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from kvcr.proto.events import EventBatch
 
 from .discovery import Publisher
 from .index import InventoryIndex, Overlap, Worker
 from .liveness import Liveness
 from .scoring import Choice, CostModel, Load, choose, choose_source
-from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 
 
 @dataclass(frozen=True, slots=True)

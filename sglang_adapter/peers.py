@@ -7,12 +7,11 @@ import logging
 import threading
 import time
 
-from kvcr.client import fetch_info
-from kvcr.client import ControlClient, ControlError
+from kvcr.client import ControlClient, ControlError, fetch_info
 from kvcr.config import CurveKeys
+from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from kvcr.proto.events import EventBatch
 from kvcr.proto.peer_inventory import PeerInventory
-from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0

@@ -1,11 +1,14 @@
-"""DynamoFeed (what Dynamo is told about one runner) and the bridge's request translation: pure."""
+"""DynamoFeed (what Dynamo is told about one runner), the bridge's start-up checks and its request
+translation: pure."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from kvcr.dynamo.bridge import BridgeError, dead_after, runner_view
 from kvcr.dynamo.requests import BridgeRequestError, StreamDecoder, generate_body
 from kvcr.proto.dynamo_feed import DynamoFeed, Phase
 from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM, AllBlocksCleared, BlockRemoved, BlockStored
@@ -120,3 +123,50 @@ def test_cumulative_output_ids_become_per_step_chunks_with_a_final_usage():
 def test_an_engine_stream_error_is_named(line, problem):
     with pytest.raises(BridgeRequestError, match=problem):
         StreamDecoder().feed(line)
+
+
+def test_a_resubscription_while_live_starts_the_view_over(live):
+    assert live.subscribed(5.0) == (CLEAR,)
+    assert live.wants_snapshot and not live.told
+    assert live.snapshot([stored(7)], 5.1) == (CLEAR, stored(7))
+
+
+def test_a_loss_while_dead_keeps_the_view_cleared_until_a_snapshot(live):
+    live.tick(10.0)
+    assert live.phase is Phase.DEAD
+    assert live.lost(10.5, "restart: seq went back to 0") == (CLEAR,)
+    assert live.wants_snapshot
+
+
+@pytest.mark.parametrize("phase", ["waiting", "live"])
+def test_a_snapshot_outside_a_resync_is_not_applied(live, phase):
+    feed = DynamoFeed(dead_after_s=3.0) if phase == "waiting" else live
+    assert feed.snapshot([stored(9)], 1.0) == ()
+    assert (MEDIUM_DRAM, 9) not in feed.told
+
+
+def test_without_heartbeats_a_silent_runner_is_never_declared_dead():
+    feed = DynamoFeed(dead_after_s=0.0)
+    feed.subscribed(0.0)
+    feed.snapshot([stored(1)], 0.0)
+    assert feed.tick(1e6) == () and feed.phase is Phase.LIVE
+
+
+def runner_info(**over) -> dict:
+    return {"dp_rank": 0, "block_size": 16, "heartbeat_s": 1.0, "pools": [{"num_slots": 64}],
+            "endpoints": {"events": "tcp://h:1", "replay": "tcp://h:2", "control": "tcp://h:3"}, **over}
+
+
+@pytest.mark.parametrize("heartbeat, explicit, expected", [(1.0, None, 5.0), (0.0, None, 0.0), (1.0, 2.5, 2.5)])
+def test_the_silence_that_clears_dynamos_view_follows_the_runners_heartbeat(heartbeat, explicit, expected):
+    view = runner_view(runner_info(heartbeat_s=heartbeat), dp_rank=None)
+    assert dead_after(view, explicit) == expected
+
+
+@pytest.mark.parametrize("info, dp_rank, problem", [
+    (runner_info(dp_rank=1), 0, "--dp-rank 0 differs from the runner's runner.dp_rank 1"),
+    (runner_info(endpoints={"events": "tcp://h:1"}), None, "names no events or control endpoint"),
+])
+def test_a_runner_the_bridge_cannot_serve_is_refused_at_start(info, dp_rank, problem):
+    with pytest.raises(BridgeError, match=re.escape(problem)):
+        runner_view(info, dp_rank=dp_rank)

@@ -121,18 +121,19 @@ class DynamoDriver(Driver):
                            latency, None, f"HTTP {status}: {raw[:300]!r}")
         out = json.loads(raw)
         messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
-        worker, kv = self._served(out["id"].split("-", 1)[1])
+        worker, kv = self._served(out["id"])
         self.served_by[step.conversation].append(worker)
         return Outcome(phase, step.conversation, step.turn, worker, pin is not None, kv["prompt_tokens"],
                        kv["dram_pages"], kv["nvme_pages"], kv["peer_pages"], kv["stored_pages"], kv["source"],
                        kv["prefill_s"], kv["saved_s"], latency, kv["oracle"], hinted=kv["hinted"])
 
-    def _served(self, rid: str) -> tuple[str, dict]:
-        for name, (url, _) in self.endpoints.items():
-            status, _, raw = http(f"{url}/kvcr/served/{rid}")
-            if status == 200:
-                return name, json.loads(raw)
-        raise RuntimeError(f"no worker served Dynamo's request {rid}")
+    def _served(self, response_id: str) -> tuple[str, dict]:
+        from ..dynamo.local import served_record
+
+        found = served_record({name: url for name, (url, _) in self.endpoints.items()}, response_id)
+        if found is None:
+            raise RuntimeError(f"no worker served Dynamo's request {response_id}")
+        return found
 
 
 def add_arguments(p) -> None:

@@ -6,16 +6,15 @@ registers it with file discovery under the demo's temp directory)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from ..dynamo.local import Frontend, dynamo_env, file_discovery, poll
+from ..dynamo.local import Frontend, await_registration, dynamo_env, file_discovery, poll
 from .main import Demo, _say
 from .procs import Child, worker_command
 
 
 class DynamoDemo(Demo):
     router_kind = "dynamo"
+
+    frontend: Frontend | None = None
 
     def start(self) -> None:
         a, logs = self.args, self.run_dir / "logs"
@@ -36,11 +35,7 @@ class DynamoDemo(Demo):
         self.dynamo_ids = {}
         for w in self.workers:
             w.wait_ready()
-            ready = Path(str(w.info_file) + ".dynamo")
-            poll(lambda: ready.exists() or w.proc.poll() is not None, 90, f"{w.name}'s Dynamo registration")
-            if w.proc.poll() is not None:
-                raise RuntimeError(f"{w.name} exited: {w.log_path.read_text()[-2000:]}")
-            self.dynamo_ids[w.name] = json.loads(ready.read_text())["worker_id"]
+            self.dynamo_ids[w.name] = await_registration(w)
             ep = w.info["kvcr_runner"]["endpoints"]
             _say(f"      {w.name} {w.url}  Dynamo worker {self.dynamo_ids[w.name]}  runner control {ep['control']}")
         self.model = self.workers[0].info["model"]
@@ -59,4 +54,5 @@ class DynamoDemo(Demo):
 
     def stop(self) -> None:
         super().stop()
-        self.frontend.stop()
+        if self.frontend is not None:
+            self.frontend.stop()

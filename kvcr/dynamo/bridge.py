@@ -31,6 +31,7 @@ from .feed import FeedRelay
 from .requests import BridgeRequestError, StreamDecoder, generate_body
 
 log = logging.getLogger("kvcr.dynamo")
+HEARTBEATS_MISSED = 5
 
 
 class BridgeError(RuntimeError):
@@ -45,6 +46,7 @@ class RunnerView:
     replay: str | None
     control: str
     dram_capacity: int
+    heartbeat_s: float  # 0: the runner sends no heartbeats, so silence proves nothing
 
 
 def _get_json(url: str, timeout_s: float = 5.0) -> dict:
@@ -63,7 +65,16 @@ def runner_view(info: dict, *, dp_rank: int | None) -> RunnerView:
         raise BridgeError(f"--dp-rank {dp_rank} differs from the runner's runner.dp_rank {rank}: Dynamo would "
                           "drop every batch the runner publishes; set one of them to match the other")
     capacity = sum(int(p.get("num_slots", 0)) for p in info.get("pools") or [])
-    return RunnerView(rank, int(info["block_size"]), ep["events"], ep.get("replay"), ep["control"], capacity)
+    return RunnerView(rank, int(info["block_size"]), ep["events"], ep.get("replay"), ep["control"], capacity,
+                      float(info.get("heartbeat_s", 0.0)))
+
+
+def dead_after(runner: RunnerView, explicit: float | None) -> float:
+    """Silence after which Dynamo is told the runner holds nothing: five missed heartbeats unless
+    given, never when the runner does not heartbeat."""
+    if explicit is not None:
+        return explicit
+    return HEARTBEATS_MISSED * runner.heartbeat_s
 
 
 def fetch_runner_info(backend: str, runner: str | None) -> dict:
@@ -89,7 +100,9 @@ class Forwarder:
 
     async def generate(self, request: dict, context=None):
         if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300))
+            # A streamed chunk carries every output id so far: allow long lines.
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300),
+                                                 read_bufsize=2**22)
         body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle,
                              rid=context.id() if context is not None else None)
         self.num_requests += 1
@@ -133,8 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-type", default="aggregated", choices=WORKER_TYPES)
     p.add_argument("--context-length", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=16, help="when a request names none")
-    p.add_argument("--dead-after", type=float, default=3.0,
-                   help="seconds of runner silence after which Dynamo is told it holds nothing")
+    p.add_argument("--dead-after", type=float,
+                   help="seconds of runner silence after which Dynamo is told it holds nothing (default: five "
+                        "of the runner's heartbeats; 0: never)")
     p.add_argument("--oracle", action="store_true", help="ask a kvcr worker to check every answer (tests)")
     p.add_argument("--ready-file", help="write the worker id here once registered")
     return p.parse_args(argv)
@@ -146,18 +160,10 @@ def dynamo_planes() -> tuple[str, str, str]:
             os.environ.get("DYN_EVENT_PLANE", "zmq"))
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from dynamo.llm import (KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType,
-                            register_model)
-    from dynamo.runtime import DistributedRuntime
+def runtime_config(runner: RunnerView, args: argparse.Namespace):
+    """Dynamo's ModelRuntimeConfig for this worker: capacity, the runner's DP rank, the hint source."""
+    from dynamo.llm import ModelRuntimeConfig
 
-    runner = runner_view(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
-    feed = FeedRelay(events=runner.events, replay=runner.replay, control=runner.control,
-                     dp_rank=runner.dp_rank, dead_after_s=args.dead_after).start()
-    discovery, request_plane, event_plane = dynamo_planes()
-    loop = asyncio.get_running_loop()
-    rt = DistributedRuntime(loop, discovery, request_plane, event_plane=event_plane)
-    endpoint = rt.endpoint(f"{args.namespace}.{args.component}.generate")
     rc = ModelRuntimeConfig()
     rc.total_kv_blocks = max(1, runner.dram_capacity)
     rc.max_num_seqs = 8
@@ -169,48 +175,85 @@ async def serve(args: argparse.Namespace) -> None:
     rc.data_parallel_size = 1
     for key, value in dynamo_advertisement({runner.dp_rank: runner.control}, args.worker_type).items():
         rc.set_engine_specific(key, json.dumps(value))
-    publisher = KvEventPublisher(endpoint, kv_block_size=runner.block_size, dp_rank=runner.dp_rank,
-                                 enable_local_indexer=True, zmq_endpoint=feed.endpoint, zmq_topic="")
-    worker_type = {"aggregated": WorkerType.Aggregated, "prefill": WorkerType.Prefill,
-                   "decode": WorkerType.Decode}[args.worker_type]
-    await register_model(ModelInput.Tokens, ModelType.Completions | ModelType.Chat, endpoint, args.model_path,
-                         args.model_name, worker_type=worker_type, kv_cache_block_size=runner.block_size,
-                         runtime_config=rc)
-    forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle)
-    worker_id = endpoint.connection_id()
-    log.info("kvcr Dynamo worker %s: %s.%s.generate, runner rank %d, hint source %s", worker_id, args.namespace,
-             args.component, runner.dp_rank, runner.control)
-    if args.ready_file:
-        tmp = args.ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"worker_id": worker_id, "dp_rank": runner.dp_rank, "events": feed.endpoint}, f)
-        os.replace(tmp, args.ready_file)
+    return rc
+
+
+def write_ready(path: str, worker_id: int, runner: RunnerView, feed: FeedRelay) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"worker_id": worker_id, "dp_rank": runner.dp_rank, "events": feed.endpoint}, f)
+    os.replace(tmp, path)
+
+
+async def until_stopped(serving: asyncio.Future, feed: FeedRelay, stop: asyncio.Event) -> int:
+    """0 on SIGTERM/SIGINT; 1 when serving or the event feed died (so a supervisor sees it, and a
+    kvcr worker stops: its runner's pages must not stay in Dynamo with no feed behind them)."""
+    while not stop.is_set():
+        if serving.done():
+            log.error("Dynamo's endpoint stopped serving: %r", serving.exception())
+            return 1
+        if not feed.alive():
+            log.error("the event feed to Dynamo died; stopping so Dynamo deregisters this worker")
+            return 1
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop during start-up still deregisters
         loop.add_signal_handler(sig, stop.set)
-    serving = asyncio.ensure_future(endpoint.serve_endpoint(forwarder.generate))
+    runner = runner_view(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
+    feed = FeedRelay(events=runner.events, replay=runner.replay, control=runner.control,
+                     dp_rank=runner.dp_rank, dead_after_s=dead_after(runner, args.dead_after)).start()
+    forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle)
+    rt = publisher = serving = None
     try:
-        await asyncio.wait([serving, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        discovery, request_plane, event_plane = dynamo_planes()
+        rt = DistributedRuntime(loop, discovery, request_plane, event_plane=event_plane)
+        endpoint = rt.endpoint(f"{args.namespace}.{args.component}.generate")
+        rc = runtime_config(runner, args)
+        publisher = KvEventPublisher(endpoint, kv_block_size=runner.block_size, dp_rank=runner.dp_rank,
+                                     enable_local_indexer=True, zmq_endpoint=feed.endpoint, zmq_topic="")
+        worker_type = {"aggregated": WorkerType.Aggregated, "prefill": WorkerType.Prefill,
+                       "decode": WorkerType.Decode}[args.worker_type]
+        await register_model(ModelInput.Tokens, ModelType.Completions | ModelType.Chat, endpoint, args.model_path,
+                             args.model_name, worker_type=worker_type, kv_cache_block_size=runner.block_size,
+                             runtime_config=rc)
+        worker_id = endpoint.connection_id()
+        log.info("kvcr Dynamo worker %s: %s.%s.generate, runner rank %d, hint source %s", worker_id,
+                 args.namespace, args.component, runner.dp_rank, runner.control)
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(forwarder.generate))
+        if args.ready_file:
+            write_ready(args.ready_file, worker_id, runner, feed)
+        return await until_stopped(serving, feed, stop)
     finally:
-        publisher.shutdown()
+        if publisher is not None:
+            publisher.shutdown()
         feed.stop()
         await forwarder.close()
-        rt.shutdown()
-        # Dynamo's runtime finishes its shutdown (deregistration included) through this loop: keep it
-        # running until the endpoint has returned, or it calls back into a closed loop.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(serving, 5)
+        if rt is not None:
+            rt.shutdown()
+        if serving is not None:
+            # Dynamo's runtime finishes its shutdown (deregistration included) through this loop: keep
+            # it running until the endpoint has returned, or it calls back into a closed loop.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serving, 5)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        asyncio.run(serve(args))
+        return asyncio.run(serve(args))
     except BridgeError as exc:
         print(f"kvcr dynamo bridge: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

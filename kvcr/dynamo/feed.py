@@ -17,7 +17,7 @@ import zmq
 from ..client import ControlClient, ControlError
 from ..drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from ..proto.dynamo_feed import DynamoFeed
-from ..proto.events import EventBatch, Event, batch_frames
+from ..proto.events import MEDIUM_DISK, MEDIUM_DRAM, Event, EventBatch, batch_frames
 
 log = logging.getLogger(__name__)
 RUNNER = "runner"
@@ -31,16 +31,17 @@ class FeedRelay:
         self.control = control
         self.dp_rank = dp_rank
         self.state = DynamoFeed(dead_after_s)
-        self.lock = threading.Lock()  # state is read by metrics and the bridge's health route
         self.subscriber = Subscriber(ctx=self.ctx)
         self.subscriber.add(RUNNER, events, replay)
         self.xpub = self.ctx.socket(zmq.XPUB)
         self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscribe, even a repeated one, is a resync
         self.xpub.setsockopt(zmq.LINGER, 0)
+        # Dynamo's relay ignores seq gaps: a batch XPUB dropped at its high-water mark would leave its
+        # counts wrong for good, so nothing is dropped (the runner's own PUB bounds the rate).
+        self.xpub.setsockopt(zmq.SNDHWM, 0)
         self.xpub.bind(bind)
         self.endpoint = self.xpub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.seq = 0
-        self.num_published = 0
         self._next_snapshot = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcr-dynamo-feed", daemon=True)
@@ -60,7 +61,7 @@ class FeedRelay:
         try:
             while not self._stop.is_set():
                 self._step()
-        except Exception:  # noqa: BLE001 - a dead feed must show in health, not vanish
+        except Exception:  # noqa: BLE001 - the bridge watches alive() and exits: Dynamo then deregisters us
             log.exception("Dynamo event feed stopped")
             raise
         finally:
@@ -72,12 +73,13 @@ class FeedRelay:
         for item in self.subscriber.poll(100):
             now = time.monotonic()
             if isinstance(item, Notice) and item.kind in ("restart", "lost"):
-                log.warning("runner stream: %s (%s); Dynamo's view is cleared until a snapshot", item.kind,
-                            item.detail)
+                log.warning("runner stream: %s (%s); Dynamo's view is cleared until a snapshot (clear %d)",
+                            item.kind, item.detail, self.state.num_clears + 1)
                 self._apply(lambda: self.state.lost(now, f"{item.kind}: {item.detail}"))
             elif isinstance(item, Delivery):
                 self._apply(lambda: self.state.batch(item.batch.events, now))
-        self._apply(lambda: self.state.tick(time.monotonic()))
+        if self._apply(lambda: self.state.tick(time.monotonic())):
+            log.warning("%s: Dynamo's view is cleared until the runner is heard again", self.state.last_problem)
         if self.state.wants_snapshot and time.monotonic() >= self._next_snapshot:
             self._resync()
 
@@ -93,22 +95,20 @@ class FeedRelay:
         try:
             with ControlClient(self.control, timeout_s=2.0, ctx=self.ctx) as client:
                 seq, events = client.snapshot()
-        except (TimeoutError, ControlError, OSError, zmq.ZMQError) as exc:
+        except (TimeoutError, ControlError, OSError, zmq.ZMQError, ValueError) as exc:  # ValueError: a bad reply
             self._next_snapshot = time.monotonic() + SNAPSHOT_RETRY_S
             log.info("runner snapshot unavailable (%s); retrying", exc)
             return
         self.subscriber.start_after(RUNNER, seq)
         self._apply(lambda: self.state.snapshot(events, time.monotonic()))
-        log.info("Dynamo's view resynced: %d events as of runner batch %d", len(events), seq)
+        log.info("Dynamo's view resynced (%d so far): %d host-pinned and %d disk blocks as of runner batch %d",
+                 self.state.num_resyncs, self.state.blocks(MEDIUM_DRAM), self.state.blocks(MEDIUM_DISK), seq)
 
-    def _apply(self, step) -> None:
-        with self.lock:
-            events: tuple[Event, ...] = step()
+    def _apply(self, step) -> bool:
+        """Publish what a step of the state machine says Dynamo must be told; True if anything."""
+        events: tuple[Event, ...] = step()
         if events:
-            self._publish(events)
-
-    def _publish(self, events: tuple[Event, ...]) -> None:
-        batch = EventBatch(ts=time.time(), events=events, dp_rank=self.dp_rank)
-        self.xpub.send_multipart(batch_frames(b"", self.seq, batch))
-        self.seq += 1
-        self.num_published += len(events)
+            batch = EventBatch(ts=time.time(), events=events, dp_rank=self.dp_rank)
+            self.xpub.send_multipart(batch_frames(b"", self.seq, batch))
+            self.seq += 1
+        return bool(events)

@@ -55,22 +55,35 @@ class BridgeOptions:
         return args + (["--oracle"] if self.oracle else [])
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: a forked child must not dlopen
+
+
+def bridge_file(info_file: str | Path) -> Path:
+    """Where `kvcr worker --info-file F --dynamo` has its bridge write the Dynamo worker id."""
+    return Path(f"{info_file}.dynamo")
+
+
+def _die_with(parent: int):
+    def preexec() -> None:
+        # The death signal follows the forking thread: start the bridge from the main thread.
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+    return preexec
 
 
 def start_bridge(options: BridgeOptions, *, log_path: str | None = None, env: dict | None = None) -> subprocess.Popen:
     out = open(log_path, "a") if log_path else None
     try:
         return subprocess.Popen(options.argv(), stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with(os.getpid()))
     finally:
         if out is not None:
             out.close()
 
 
-def stop_bridge(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM (Dynamo deregisters the worker), then SIGKILL after `timeout_s`."""
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM (a bridge then deregisters from Dynamo), then SIGKILL after `timeout_s`."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -7,9 +7,11 @@ from Dynamo's bindings following the same event plane as the frontend's router).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..demo.httpc import get_json, http
-from .launch import dynamo_python, stop_bridge
+from .launch import bridge_file, dynamo_python, stop_process
 
 PROBE = Path(__file__).with_name("probe.py")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -40,6 +42,28 @@ def poll(fn, timeout_s: float, message: str, interval_s: float = 0.2):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s} s waiting for {message} (last: {value!r})")
         time.sleep(interval_s)
+
+
+def await_registration(worker, timeout_s: float = 90.0) -> int:
+    """The Dynamo worker id of a started `kvcr worker --dynamo` (a kvcr.demo.procs.Child), once its
+    bridge registered; RuntimeError if the worker exited instead."""
+    ready = bridge_file(worker.info_file)
+    poll(lambda: ready.exists() or worker.proc.poll() is not None, timeout_s, f"{worker.name}'s Dynamo registration")
+    if worker.proc.poll() is not None:
+        raise RuntimeError(f"{worker.name} exited with {worker.proc.returncode}: "
+                           f"{worker.log_path.read_text(errors='replace')[-2000:]}")
+    return json.loads(ready.read_text())["worker_id"]
+
+
+def served_record(worker_urls: dict[str, str], response_id: str) -> tuple[str, dict] | None:
+    """(worker name, what serving it took) for a Dynamo response id (`cmpl-<id>`, `chatcmpl-<id>`):
+    the bridge hands Dynamo's id to the engine as its rid, which the kvcr worker keeps."""
+    rid = response_id.split("-", 1)[1]
+    for name, url in worker_urls.items():
+        status, _, raw = http(f"{url}/kvcr/served/{rid}")
+        if status == 200:
+            return name, json.loads(raw)
+    return None
 
 
 def dynamo_env(discovery: dict, base: dict | None = None) -> dict:
@@ -69,7 +93,11 @@ class Etcd:
                                       "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                                       "--initial-cluster", f"kvcr=http://127.0.0.1:{peer}"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        poll(self._healthy, 30, "etcd /health")
+        try:
+            poll(self._healthy, 30, "etcd /health")
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def discovery(self) -> dict:
@@ -84,7 +112,7 @@ class Etcd:
             return False
 
     def stop(self) -> None:
-        stop_bridge(self.proc, 15.0)
+        stop_process(self.proc, 15.0)
         self.log.close()
 
 
@@ -105,7 +133,11 @@ class Frontend:
     def start(self) -> "Frontend":
         self.log = open(self.log_path, "a")
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
-        poll(self._up, 60, "the Dynamo frontend's HTTP port")
+        try:
+            poll(self._up, 60, "the Dynamo frontend's HTTP port")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _up(self) -> bool:
@@ -145,7 +177,7 @@ class Frontend:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_bridge(self.proc, 15.0)
+            stop_process(self.proc, 15.0)
             self.log.close()
 
 
@@ -157,21 +189,32 @@ class Probe:
         self.proc = subprocess.Popen([dynamo_python(), str(PROBE), endpoint, str(block_size)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
                                      text=True)
-        if json.loads(self.proc.stdout.readline() or "{}") != {"ready": True}:
-            raise RuntimeError(f"the probe did not start (see {run_dir / 'probe.log'})")
+        try:
+            if self._answer(60.0) != {"ready": True}:
+                raise RuntimeError(f"the probe did not start (see {run_dir / 'probe.log'})")
+        except BaseException:
+            self.close()
+            raise
+
+    def _answer(self, timeout_s: float) -> dict:
+        """The probe's next line, or TimeoutError (a stuck probe must not hang the caller)."""
+        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError(f"Dynamo's index probe gave no answer within {timeout_s} s")
+        return json.loads(self.proc.stdout.readline() or "{}")
 
     def overlaps(self, tokens: list[int]) -> dict[tuple[int, int], dict]:
         """(Dynamo worker id, DP rank) -> leading blocks of `tokens` Dynamo believes it holds: on
         device, host-pinned, and host-pinned or disk ("disk", as Dynamo reports it)."""
         self.proc.stdin.write(json.dumps(tokens) + "\n")
         self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline())
+        answer = self._answer(30.0)
         return {(int(w["worker_id"]), int(w["dp_rank"])): {"host": w["host_pinned_blocks"], "disk": w["disk_blocks"],
                                                            "device": w["device_blocks"]}
                 for w in answer["workers"]}
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

@@ -46,7 +46,8 @@ def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False
         raise BridgeRequestError("token_ids must be a non-empty list of token ids")
     stop = _section(request, "stop_conditions")
     sampling_in = _section(request, "sampling_options")
-    sampling: dict[str, Any] = {"max_new_tokens": _nonneg_int(stop, "max_tokens") or default_max_tokens,
+    max_tokens = _nonneg_int(stop, "max_tokens")
+    sampling: dict[str, Any] = {"max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
                                 "ignore_eos": bool(stop.get("ignore_eos", False))}
     for key in ("temperature", "top_p", "top_k", "seed"):
         if sampling_in.get(key) is not None:
@@ -93,9 +94,8 @@ class StreamDecoder:
             self.finished = True
             out["finish_reason"] = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
             meta = chunk.get("meta_info") or {}
-            out["completion_usage"] = {"prompt_tokens": meta.get("prompt_tokens", 0),
-                                       "completion_tokens": meta.get("completion_tokens", self.sent),
-                                       "total_tokens": meta.get("prompt_tokens", 0) + meta.get(
-                                           "completion_tokens", self.sent),
+            prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", self.sent)
+            out["completion_usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                       "total_tokens": prompt + completion,
                                        "prompt_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)}}
         return out if new or finish else None

@@ -91,11 +91,10 @@ class LiveCluster:
         return self
 
     def _await_dynamo(self) -> None:
-        from kvcr.dynamo.local import poll
+        from kvcr.dynamo.local import await_registration, poll
 
         for w in self.workers:
-            poll(lambda: Path(str(w.info_file) + ".dynamo").exists() or w.proc.poll() is not None, 90,
-                 f"{w.name}'s Dynamo registration")
+            await_registration(w)
         self.model = self.workers[0].info["model"]
         poll(lambda: self.model in self.frontend.models(), 60, "the model served by Dynamo")
 
@@ -111,12 +110,11 @@ class LiveCluster:
             "model": self.model, "prompt": tokens, "max_tokens": 1, "ignore_eos": True}, timeout_s=120)
         if status != 200:
             return status, raw
-        dynamo_id = json.loads(raw)["id"].split("-", 1)[1]
-        for w in self.workers:
-            status, _, record = http(f"{w.url}/kvcr/served/{dynamo_id}")
-            if status == 200:
-                return 200, json.loads(record)
-        return 500, f"no worker served Dynamo's request {dynamo_id}".encode()
+        from kvcr.dynamo.local import served_record
+
+        response_id = json.loads(raw)["id"]
+        found = served_record({w.name: w.url for w in self.workers}, response_id)
+        return (200, found[1]) if found else (500, f"no worker served Dynamo's request {response_id}".encode())
 
     @property
     def slots_per_worker(self) -> int:

@@ -43,7 +43,7 @@ def build(args: argparse.Namespace, overrides: dict) -> Worker:
 
 def dynamo_companion(args: argparse.Namespace, worker: Worker):
     """Starts the Dynamo bridge for this worker once its HTTP front is up (`--dynamo`)."""
-    from ..dynamo.launch import BridgeOptions, dynamo_python, start_bridge
+    from ..dynamo.launch import BridgeOptions, bridge_file, dynamo_python, start_bridge
     from ..dynamo.model_dir import write_model_dir
 
     python = dynamo_python(args.dynamo_python)  # fail before serving, not after
@@ -52,7 +52,7 @@ def dynamo_companion(args: argparse.Namespace, worker: Worker):
                                 max_positions=worker.engine.model.cfg.max_positions, bos_id=tok.bos_id,
                                 eos_id=tok.eos_id, special=tok.special_tokens or DEFAULT_SPECIAL)
 
-    ready = args.info_file + ".dynamo" if args.info_file else None
+    ready = str(bridge_file(args.info_file)) if args.info_file else None
     if ready:
         Path(ready).unlink(missing_ok=True)  # a previous run's: it names a Dynamo worker that is gone
 

@@ -162,6 +162,7 @@ class Worker:
     def _remember(self, served: r.Served, hinted: bool) -> None:
         self.served[served.rid] = {**r.meta_info(served, 0, None)["kvcr"], "prompt_tokens": served.info.prompt_tokens,
                                    "hinted": hinted}
+        self.served.move_to_end(served.rid)  # a reused rid is the newest
         while len(self.served) > SERVED_KEPT:
             self.served.popitem(last=False)
 
@@ -254,9 +255,9 @@ async def serve(worker: Worker, host: str, port: int, info_file: str | None,
         return 0
     finally:
         if child is not None:
-            from ..dynamo.launch import stop_bridge
+            from ..dynamo.launch import stop_process
 
-            stop_bridge(child)
+            stop_process(child, 5.0)  # within what the demo and tests give the worker to stop
         await runner.cleanup()
         worker.executor.shutdown(wait=True, cancel_futures=True)
         worker.service.stop()

@@ -8,7 +8,6 @@ The processes are kvcr/dynamo/local.py's.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import threading
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from kvcr.demo.httpc import get_json, http
 from kvcr.demo.procs import Child
 from kvcr.dynamo import local
-from kvcr.dynamo.local import Etcd, Probe, dynamo_env, file_discovery
+from kvcr.dynamo.local import Etcd, Probe, await_registration, dynamo_env, file_discovery
 from kvcr.dynamo.local import poll as wait_for
 from router_hints.text import TextTokenizer
 from tests.cluster import SMALL_MODEL
@@ -79,16 +78,11 @@ class DynamoWorker(Child):
                                      "--dynamo-oracle", "--dynamo-namespace", NAMESPACE,
                                      "--set", f"runner.state_dir={tmp / (name + '.state')}",
                                      "--set", "dram.size=32Mi", *extra], env=env, cwd=ROOT)
-        self.bridge_file = Path(str(self.info_file) + ".dynamo")
 
     def start(self) -> "DynamoWorker":
-        self.bridge_file.unlink(missing_ok=True)
         super().start()
         self.wait_ready(120)
-        wait_for(lambda: self.bridge_file.exists() or self.proc.poll() is not None, 90,
-                 f"{self.name}'s Dynamo registration")
-        assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-        self.dynamo_id = json.loads(self.bridge_file.read_text())["worker_id"]
+        self.dynamo_id = await_registration(self)
         return self
 
     def stats(self) -> dict:
@@ -108,37 +102,31 @@ class DynamoWorker(Child):
 
 @pytest.fixture
 def dynamo(tmp_path, dyn_env):
-    """Start frontends, workers and probes; everything is stopped at the end, workers first."""
-    started: dict[str, list] = {"workers": [], "frontends": [], "probes": []}
+    """Start frontends, workers and probes; all are stopped at the end, the latest started first,
+    every stop running even if another fails."""
+    with contextlib.ExitStack() as stack:
+        class Cluster:
+            env = dyn_env
 
-    class Cluster:
-        env = dyn_env
+            @staticmethod
+            def frontend(*extra: str) -> Frontend:
+                fe = Frontend(tmp_path, dyn_env, *extra, block_size=BLOCK).start()
+                stack.callback(fe.stop)
+                return fe
 
-        @staticmethod
-        def frontend(*extra: str) -> Frontend:
-            fe = Frontend(tmp_path, dyn_env, *extra, block_size=BLOCK).start()
-            started["frontends"].append(fe)
-            return fe
+            @staticmethod
+            def worker(name: str, *extra: str) -> DynamoWorker:
+                w = DynamoWorker(tmp_path, name, dyn_env, *extra)
+                stack.callback(w.stop, signal.SIGTERM, 20)
+                return w.start()
 
-        @staticmethod
-        def worker(name: str, *extra: str) -> DynamoWorker:
-            w = DynamoWorker(tmp_path, name, dyn_env, *extra)
-            started["workers"].append(w)
-            return w.start()
+            @staticmethod
+            def probe() -> Probe:
+                p = Probe(tmp_path, dyn_env, f"{NAMESPACE}.backend.generate", BLOCK)
+                stack.callback(p.close)
+                return p
 
-        @staticmethod
-        def probe() -> Probe:
-            p = Probe(tmp_path, dyn_env, f"{NAMESPACE}.backend.generate", BLOCK)
-            started["probes"].append(p)
-            return p
-
-    yield Cluster
-    for w in started["workers"]:
-        w.stop(signal.SIGTERM, 20)
-    for p in started["probes"]:
-        p.close()
-    for fe in started["frontends"]:
-        fe.stop()
+        yield Cluster
 
 
 @pytest.fixture
@@ -167,7 +155,7 @@ def busy(fe: Frontend, worker: DynamoWorker, prefix: str):
 
     def run() -> None:
         try:
-            fe.complete(prefix + " " + " ".join(f"tail{i}" for i in range(700)), max_tokens=200, ignore_eos=True)
+            fe.complete(prefix + " " + " ".join(f"tail{i}" for i in range(700)), max_tokens=600, ignore_eos=True)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
@@ -175,7 +163,9 @@ def busy(fe: Frontend, worker: DynamoWorker, prefix: str):
     thread.start()
     try:
         wait_for(lambda: worker.stats()["inflight"] >= 1 or not thread.is_alive(), 60, f"{worker.name} busy")
+        assert thread.is_alive(), f"the long request ended before the test ran: {errors}"
         yield
+        assert thread.is_alive(), "the long request ended before the test's request was routed: make it longer"
     finally:
         thread.join(300)
     assert not errors, errors

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from kvcr.client import AttachedWriter, ControlClient
-from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_bridge
+from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_process
 from kvcr.dynamo.model_dir import write_model_dir
 from kvcr.proto.announce import announce_request
 from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM
@@ -71,13 +71,14 @@ def test_a_restarted_frontend_recovers_the_index_from_the_workers(dynamo):
     fe.stop()
     fe2 = dynamo.frontend()  # knows nothing published before it started
     wait_for(lambda: MODEL in fe2.models(), 60, "the workers rediscovered")
-
-    def routed_to_holder() -> bool:
-        fe2.complete(p + " again")
-        choice = fe2.selections()[-1]
-        return int(choice["worker_id"]) == holder.dynamo_id and int(choice["host_pinned_blocks"]) == blocks(p)
-    # Dynamo's own recovery (the workers' local indexers) refills the new router's index.
-    wait_for(routed_to_holder, CONVERGE_S, "the restarted frontend routing on the recovered index", 1.0)
+    # Dynamo's own recovery (the workers' local indexers) refills a new router's index: a probe
+    # started after the new frontend shows it; nothing is published meanwhile.
+    probe = dynamo.probe()
+    wait_for(lambda: (view(probe, holder.dynamo_id, TOKENIZER.encode(p)) or {}).get("host") == blocks(p),
+             CONVERGE_S, "a new router's index recovered from the workers")
+    fe2.complete(p + " again")  # one try: a misrouted one would store the prefix at the other worker
+    choice = fe2.selections()[-1]
+    assert int(choice["worker_id"]) == holder.dynamo_id and int(choice["host_pinned_blocks"]) == blocks(p), choice
 
 
 def test_a_runner_on_dp_rank_1_is_indexed_at_rank_1(dynamo):
@@ -132,7 +133,7 @@ def test_a_runner_restarted_under_a_live_bridge_is_resynced_in_dynamo(dynamo, ru
         wait_for(lambda: (view(probe, worker_id, tokens) or {}).get("host") == 3, CONVERGE_S,
                  "the restarted runner's new pages in Dynamo")
     finally:
-        stop_bridge(bridge)
+        stop_process(bridge)
 
 
 def test_dram_and_nvme_churn_never_double_counts_a_block_in_dynamo(dynamo, tmp_path):

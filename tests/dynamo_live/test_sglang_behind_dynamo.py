@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from kvcr.demo.httpc import http
-from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_bridge
+from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_process
 from tokenizers import Tokenizer
 from tests.dynamo_live.conftest import BLOCK, wait_for
 
@@ -50,7 +50,7 @@ def sglang_pair(dynamo, tmp_path):
         yield fe, engines, probe, tokenizer
     finally:
         for b in bridges:
-            stop_bridge(b)
+            stop_process(b)
         for e in engines:
             e.stop()
 
