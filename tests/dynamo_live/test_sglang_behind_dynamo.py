@@ -29,7 +29,11 @@ def sglang_pair(dynamo, tmp_path):
 
     model = build_model(tmp_path / "tiny-llama")
     fe = dynamo.frontend()
-    engines = [LiveServer(tmp_path, name, model) for name in ("sa", "sb")]
+    # On 2 shared cores the busy holder's in-process runner can answer a claim after the default
+    # control timeout and prefetch budget, which makes Dynamo's hint a miss (the designed outcome,
+    # tested in test_hint_faults.py); here the pull itself is under test, so both wait for it.
+    engines = [LiveServer(tmp_path, name, model, runner={"runner.control_timeout_s": 10.0},
+                          args=["--hicache-storage-prefetch-policy", "wait_complete"]) for name in ("sa", "sb")]
     bridges = []
     try:
         for e in engines:
