@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_adapter.cpu_harness.model import build_model
+from sglang_adapter.cpu_harness.model import build_mla_model, build_model
 from sglang_adapter.cpu_harness.server import LiveServer
 
 pytestmark = pytest.mark.live_sglang
@@ -28,15 +28,22 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def mla_model(tiny_model, tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V2: MLA's one latent KV row per token and layer."""
+    return build_mla_model(tmp_path_factory.mktemp("tiny-mla"))
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, tiny_model):
-    """make(*names, runner=..., args=..., each={name: {"runner": ...}}) -> started, healthy
-    LiveServers (started together); all stopped at module end."""
+    """make(*names, runner=..., args=..., each={name: {"runner": ...}}, model=...) -> started,
+    healthy LiveServers (started together; the tiny Llama unless `model`); all stopped at module end."""
     run_dir = tmp_path_factory.mktemp("engines")
     made: list[LiveServer] = []
 
-    def make(*names: str, each: dict | None = None, runner: dict | None = None, **options) -> list[LiveServer]:
-        servers = [LiveServer(run_dir, name, tiny_model, runner={**(runner or {}), **(each or {}).get(name, {})},
+    def make(*names: str, each: dict | None = None, runner: dict | None = None, model: Path | None = None,
+             **options) -> list[LiveServer]:
+        servers = [LiveServer(run_dir, name, model or tiny_model, runner={**(runner or {}), **(each or {}).get(name, {})},
                               **options) for name in names]
         made.extend(servers)
         for s in servers:

@@ -5,7 +5,11 @@ Each replaces code that assumes CUDA and nothing else:
 2. `MHATokenToKVPoolHost.backup_from_device_all_layer` / `load_to_device_per_layer`: plain torch
    index copies between the CPU "device" pool and the host pool (the originals call
    sgl_kernel.kvcacheio, imported only on CUDA/HIP/XPU);
-3. `torch.cpu.Stream.synchronize` / `query`, missing in torch 2.13.0+cpu.
+3. the same two copies for `MLATokenToKVPoolHost` (one latent buffer per layer instead of K and V);
+4. `torch.cpu.Stream.synchronize` / `query`, missing in torch 2.13.0+cpu;
+5. MLA models on `torch_native` attention take the absorbed MLA path for every forward: the
+   MHA prefill path SGLang picks otherwise is written for CUDA kernels that read K and V from the
+   batch, while torch_native reads them from the (latent) cache.
 The storage backend, the cache controller and the scheduler run unpatched.
 """
 
@@ -31,9 +35,16 @@ def _token_view(host, buf, layer: int, idx):
     raise NotImplementedError(f"CPU harness: host layout {host.layout}")
 
 
+def _buffers(host, layer: int) -> list:
+    """(host buffer, device buffer) pairs of one layer: K and V, or MLA's one latent buffer."""
+    if hasattr(host, "kv_buffer"):  # MLATokenToKVPoolHost
+        return [(host.kv_buffer, host.device_kv_buffers[layer])]
+    return [(host.k_buffer, host.device_k_buffers[layer]), (host.v_buffer, host.device_v_buffers[layer])]
+
+
 def _copy_layer(host, layer: int, host_indices, device_indices, to_host: bool) -> None:
     hidx, didx = host_indices.long().cpu(), device_indices.long().cpu()
-    for buf, dev in ((host.k_buffer, host.device_k_buffers[layer]), (host.v_buffer, host.device_v_buffers[layer])):
+    for buf, dev in _buffers(host, layer):
         view, index = _token_view(host, buf, layer, hidx)
         if to_host:
             view[index] = dev[didx].to(view.dtype)
@@ -68,6 +79,15 @@ def _patch_mha(module) -> None:
     module.MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
 
 
+def _patch_mla(module) -> None:
+    module.MLATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
+    module.MLATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
+
+
+def _patch_mla_dispatch(module) -> None:
+    module.AttentionBackendRegistry.register("torch_native", module._dispatch_mla_subtype)
+
+
 def _patch_torch(module) -> None:
     stream = module.cpu.Stream
     stream.synchronize = lambda self: None
@@ -85,6 +105,8 @@ PATCHES = {
     "transformers.utils.import_utils": _stub_torchvision,
     "sglang.srt.mem_cache.pool_host.base": _patch_base,
     "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
+    "sglang.srt.mem_cache.pool_host.mla": _patch_mla,
+    "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_dispatch,
 }
 
 
