@@ -75,7 +75,8 @@ def test_tp2_mla_ranks_back_up_one_shared_shard_and_both_hit_after_a_flush(tp2, 
     first = live.generate(engine, text)
     full = first["meta_info"]["prompt_tokens"] // PAGE
     wait_until(lambda: len(announced(control)) >= full, timeout_s=30, message="the prompt's pages in the sidecar")
-    assert len(announced(control)) == full  # one shard: the ranks' identical KV is stored once
+    stored = announced(control)  # one shard: the ranks' identical KV is stored once (output pages too)
+    assert len(set(stored)) == len(stored) <= (first["meta_info"]["prompt_tokens"] + 4) // PAGE
     live.flush(engine)
     again = live.generate(engine, text)  # SGLang takes the smallest hit over the ranks
     assert again["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE

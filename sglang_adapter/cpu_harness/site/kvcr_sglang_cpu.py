@@ -35,16 +35,19 @@ def _token_view(host, buf, layer: int, idx):
     raise NotImplementedError(f"CPU harness: host layout {host.layout}")
 
 
-def _buffers(host, layer: int) -> list:
-    """(host buffer, device buffer) pairs of one layer: K and V, or MLA's one latent buffer."""
-    if hasattr(host, "kv_buffer"):  # MLATokenToKVPoolHost
-        return [(host.kv_buffer, host.device_kv_buffers[layer])]
+def _kv_buffers(host, layer: int) -> list:
+    """(host buffer, device buffer) pairs of one layer: K and V."""
     return [(host.k_buffer, host.device_k_buffers[layer]), (host.v_buffer, host.device_v_buffers[layer])]
+
+
+def _latent_buffers(host, layer: int) -> list:
+    """MLA's one latent buffer of a layer."""
+    return [(host.kv_buffer, host.device_kv_buffers[layer])]
 
 
 def _copy_layer(host, layer: int, host_indices, device_indices, to_host: bool) -> None:
     hidx, didx = host_indices.long().cpu(), device_indices.long().cpu()
-    for buf, dev in _buffers(host, layer):
+    for buf, dev in host.harness_buffers(layer):
         view, index = _token_view(host, buf, layer, hidx)
         if to_host:
             view[index] = dev[didx].to(view.dtype)
@@ -75,11 +78,13 @@ def _patch_base(module) -> None:
 
 
 def _patch_mha(module) -> None:
+    module.MHATokenToKVPoolHost.harness_buffers = _kv_buffers
     module.MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
     module.MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
 
 
 def _patch_mla(module) -> None:
+    module.MLATokenToKVPoolHost.harness_buffers = _latent_buffers
     module.MLATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
     module.MLATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
 
