@@ -24,6 +24,9 @@ _MEDIUM_TIER = {None: "device", "GPU": "device", "DEVICE": "device",
                 "EXTERNAL": "disk", "SHARED": "disk", "REMOTE": "disk", "NETWORK": "disk"}
 
 Worker = tuple[str, int]  # (worker id, DP rank)
+# The tier classes matching walks (device; device or host; anywhere), and which hold each tier.
+_TIERS_IN = (("device",), ("device", "host"), ("device", "host", "disk"))
+_CLASSES_OF = {tier: tuple(i for i, tiers in enumerate(_TIERS_IN) if tier in tiers) for tier in TIERS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +100,19 @@ class InventoryIndex:
         local = dynamo_local_block_hashes(event.token_ids[:self.block_size * len(event.block_hashes)],
                                           self.block_size, lora_name=event.lora_name,
                                           cache_namespace=event.cache_salt or _vllm_salt(event))
+        bit = self._bit(worker)
+        by_external, holding = state.by_external, state.held
         for external, content in zip(event.block_hashes, local):
             seq = content if parent_seq is None else dynamo_chain_hash(parent_seq, content)
             external &= U64_MASK
-            state.by_external[external] = seq
-            held = state.held.get(seq)
+            by_external[external] = seq
+            held = holding.get(seq)
             if held is None:
-                held = state.held[seq] = _Held(external)
-            held.counts[tier] += 1
-            self._set_bits(worker, seq, held)
+                held = holding[seq] = _Held(external)
+            counts = held.counts
+            if not counts[tier]:
+                self._tier_added(bit, seq, tier)
+            counts[tier] += 1
             parent_seq = seq
 
     def _removed(self, worker: Worker, state: _WorkerState, event: BlockRemoved) -> None:
@@ -113,45 +120,57 @@ class InventoryIndex:
         if tier is None:
             self.num_ignored += 1
             return
+        bit = self._bits.get(worker)
+        by_external, holding = state.by_external, state.held
         for external in event.block_hashes:
-            seq = state.by_external.get(external & U64_MASK)
-            held = state.held.get(seq) if seq is not None else None
-            if held is None or held.counts[tier] <= 0:
+            external &= U64_MASK
+            seq = by_external.get(external)
+            held = holding.get(seq) if seq is not None else None
+            left = held.counts.get(tier, 0) - 1 if held is not None else -1
+            if left < 0:
                 continue
-            held.counts[tier] -= 1
-            self._set_bits(worker, seq, held)
+            held.counts[tier] = left
+            if left:
+                continue
+            self._tier_dropped(bit, seq, held, tier)
             if not any(held.counts.values()):
-                del state.held[seq]
-                del state.by_external[external & U64_MASK]
+                del holding[seq]
+                del by_external[external]
 
     def clear(self, worker: Worker) -> None:
         """AllBlocksCleared: every tier of this (worker, DP rank) is empty."""
         state = self._workers.pop(worker, None)
         if state is None:
             return
-        empty = _Held(0)
-        for seq in state.held:
-            self._set_bits(worker, seq, empty)
         bit = self._bits.pop(worker, None)  # none yet if it never held a block
-        if bit is not None:
-            self._free_bits.append(bit)  # clear everywhere now: reuse it
+        if bit is None:
+            return
+        for seq in state.held:
+            for masks in self._masks:
+                _clear_bit(masks, seq, bit)
+        self._free_bits.append(bit)  # clear everywhere now: reuse it
 
-    def _set_bits(self, worker: Worker, seq: int, held: _Held) -> None:
+    def _bit(self, worker: Worker) -> int:
         bit = self._bits.get(worker)
         if bit is None:
             bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << self._next_bit
             self._next_bit += bit == 1 << self._next_bit
-        counts = held.counts
-        device = counts.get("device", 0) > 0
-        host = device or counts.get("host", 0) > 0
-        anywhere = host or counts.get("disk", 0) > 0
-        for masks, present in zip(self._masks, (device, host, anywhere)):
-            mask = masks.get(seq, 0)
-            mask = mask | bit if present else mask & ~bit
-            if mask:
-                masks[seq] = mask
-            else:
-                masks.pop(seq, None)
+        return bit
+
+    # Only a tier's first copy or its last going changes which tier classes hold a block.
+    def _tier_added(self, bit: int, seq: int, tier: str) -> None:
+        for i in _CLASSES_OF[tier]:
+            masks = self._masks[i]
+            masks[seq] = masks.get(seq, 0) | bit
+
+    def _tier_dropped(self, bit: int, seq: int, held: _Held, tier: str) -> None:
+        get = held.counts.get
+        device = get("device", 0) > 0
+        host = device or get("host", 0) > 0
+        present = (device, host, host or get("disk", 0) > 0)
+        for i in _CLASSES_OF[tier]:
+            if not present[i]:
+                _clear_bit(self._masks[i], seq, bit)
 
     def remove_worker(self, worker_id: str) -> None:
         for worker in [w for w in self._workers if w[0] == worker_id]:
@@ -189,6 +208,14 @@ class InventoryIndex:
 
     def num_blocks(self) -> int:
         return sum(len(s.held) for s in self._workers.values())
+
+
+def _clear_bit(masks: dict[int, int], seq: int, bit: int) -> None:
+    mask = masks.get(seq, 0) & ~bit
+    if mask:
+        masks[seq] = mask
+    else:
+        masks.pop(seq, None)
 
 
 def _depths(masks: dict[int, int], seq_hashes: list[int]) -> dict[int, int]:

@@ -186,3 +186,56 @@ def test_a_worker_that_only_heartbeat_can_be_cleared_again_and_again(batches):
     index.clear(("w", 0))
     index.clear(("w", 0))
     assert index.num_blocks() == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_overlaps_follow_per_tier_reference_counts_through_random_stores_removals_and_clears(seed):
+    # a naive model: per (worker, block) and tier a count; depths read straight from the counts
+    rng = random.Random(seed)
+    index = InventoryIndex(block_size=BLOCK)
+    prompts = [tokens_for(100 + seed * 10 + p, 6) for p in range(2)]
+    seqs = [index.sequence_hashes(t) for t in prompts]
+    media = {"device": "GPU", "host": "CPU_PINNED", "disk": "DISK"}
+    counts: dict = {}
+    for _ in range(300):
+        worker, p, tier = rng.choice("abc"), rng.randrange(2), rng.choice(list(media))
+        op = rng.random()
+        if op < 0.5:
+            n = rng.randint(1, 6)
+            event, ann = stored(prompts[p], 0, n, media[tier])
+            index.apply(worker, batch(event))
+            for s in seqs[p][:n]:
+                counts[worker, s, tier] = counts.get((worker, s, tier), 0) + 1
+        elif op < 0.95:
+            first = rng.randrange(6)
+            _, ann = stored(prompts[p], first, 1, media[tier])
+            index.apply(worker, batch(BlockRemoved(block_hashes=(ann[0].event_hash,), medium=media[tier])))
+            key = (worker, seqs[p][first], tier)
+            if counts.get(key, 0) > 0 and index_knows(counts, worker, seqs[p][first]):
+                counts[key] -= 1
+        else:
+            index.apply(worker, batch(AllBlocksCleared()))
+            counts = {k: v for k, v in counts.items() if k[0] != worker}
+        for q in range(2):
+            assert index.overlaps(seqs[q]) == expected_overlaps(counts, seqs[q]), (seed, q)
+
+
+def index_knows(counts: dict, worker: str, seq: int) -> bool:
+    return any(counts.get((worker, seq, t), 0) for t in ("device", "host", "disk"))
+
+
+def expected_overlaps(counts: dict, seq_hashes: list[int]) -> dict:
+    out = {}
+    for worker in "abc":
+        def held(s, tiers):
+            return any(counts.get((worker, s, t), 0) > 0 for t in tiers)
+
+        def run(tiers):
+            n = 0
+            while n < len(seq_hashes) and held(seq_hashes[n], tiers):
+                n += 1
+            return n
+        dev, dh, anywhere = run(("device",)), run(("device", "host")), run(("device", "host", "disk"))
+        if anywhere:
+            out[(worker, 0)] = Overlap(dev, dh - dev, anywhere - dh)
+    return out

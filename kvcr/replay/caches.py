@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from functools import lru_cache
+from itertools import chain
 from typing import Sequence
 
 from kvcr.proto.events import BlockRemoved, BlockStored, Event
@@ -90,9 +91,10 @@ def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> 
 
 
 def _stored(run: list[int], parent: int | None, medium: str) -> BlockStored:
-    return BlockStored(block_hashes=tuple(external(b) for b in run),
+    return BlockStored(block_hashes=tuple(map(external, run)),
                        parent_block_hash=external(parent) if parent is not None else None,
-                       token_ids=tuple(t for b in run for t in block_tokens(b)), block_size=SIM_BLOCK, medium=medium)
+                       token_ids=tuple(chain.from_iterable(map(block_tokens, run))), block_size=SIM_BLOCK,
+                       medium=medium)
 
 
 class WorkerCache:
