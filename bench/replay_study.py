@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--capacities", default="250,1000", help="DRAM blocks per worker")
     parser.add_argument("--live-requests", type=int, default=300)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--no-live", action="store_true", help="the simulation only (implies --no-write)")
     args = parser.parse_args()
     if args.trace:
         path = Path(args.trace)
@@ -53,12 +54,19 @@ def main() -> int:
                 rows.append(row)
                 print(row, flush=True)
     speed = ", ".join(f"{p} {sorted(v)[len(v) // 2]:,}" for p, v in speeds.items())
+    if args.no_live:
+        print(f"simulated requests/s: {speed}")
+        return 0
     # The live check: the trace's first requests through kvcr router, then Dynamo's frontend, each
-    # in front of 2 kvcr workers on this machine.
+    # in front of 2 kvcr workers on this machine; then live SGLang engines behind kvcr router, with
+    # 8 requests in flight and with one (the simulation serves each request before the next).
     live_rows = []
-    for router, name in (("kvcr", "kvcr router"), ("dynamo", "Dynamo's frontend")):
+    runs = (("kvcr", "kvcr", 8, "kvcr router"), ("dynamo", "kvcr", 8, "Dynamo's frontend"),
+            ("kvcr", "sglang", 8, "kvcr router + live SGLang, 8 in flight"),
+            ("kvcr", "sglang", 1, "kvcr router + live SGLang, 1 in flight"))
+    for router, engine, concurrency, name in runs:
         live = compare(trace[:args.live_requests], SimConfig(workers=2, dram_blocks=200, speedup=10.0),
-                       page_size=16, router=router)
+                       page_size=16, router=router, engine=engine, concurrency=concurrency)
         m = live["measured"]
         live_rows.append(f"| {name}: {live['requests']} requests, 2 workers x {live['pages_per_worker']} pages, 10x | "
                          f"{m['reuse']:.1%} (DRAM {m['reuse_by_tier']['dram']:.1%}, peer "
@@ -72,8 +80,10 @@ def main() -> int:
              "ideal single cache (reuse) and KV-aware routing without pulls (TTFT), from the same run. "
              f"Simulator speed, median simulated requests/s per run: {speed}. The second table: the trace's first "
              f"{args.live_requests} requests through `kvcr router`, then Dynamo 1.6.1's unmodified frontend and KV "
-             "router, each in front of 2 `kvcr worker`s on this machine (one 16-token "
-             "page per block, DRAM only, arrivals 10x faster) against the simulation of that same cluster. "
+             "router, each in front of 2 `kvcr worker`s on this machine, then `kvcr router` in front of 2 live "
+             "SGLang 0.5.23 engines with kvcr's backend (CPU harness, tiny model) with 8 and with 1 request in "
+             "flight (one 16-token page per block, DRAM only, arrivals 10x faster) against the simulation of that "
+             "same cluster. "
              "Method: docs/replay.md.")
     columns = ["workers", "DRAM blocks each", "speed-up", *POLICIES, "kvcr reuse / ideal", "kvcr TTFT / kv TTFT"]
     live_columns = ["live run", "reuse measured", "reuse simulated (same cluster)", "measured / simulated", "errors"]

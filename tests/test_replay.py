@@ -111,17 +111,26 @@ def test_replay_writes_json_and_charts_and_refuses_a_bad_trace(tmp_path):
     assert run.returncode == 2 and "line 2" in run.stderr
 
 
-@pytest.mark.parametrize("router", ["kvcr", pytest.param("dynamo", marks=pytest.mark.dynamo_frontend)])
-def test_the_live_mode_drives_the_trace_through_the_router_and_workers_and_reports_both(tmp_path, router):
+@pytest.mark.parametrize("router, engine", [("kvcr", "kvcr"), pytest.param("dynamo", "kvcr", marks=pytest.mark.dynamo_frontend),
+                                            pytest.param("kvcr", "sglang", marks=pytest.mark.live_sglang)])
+def test_the_live_mode_drives_the_trace_through_the_router_and_workers_and_reports_both(tmp_path, router, engine):
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "kvcr.cli", "replay", "--synthetic", "80", "--workers", "2",
                           "--capacity-blocks", "200", "--live", "--live-requests", "60", "--speedup", "20",
-                          "--live-router", router, "--no-charts", "--out", str(out)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                          "--live-router", router, "--live-engine", engine, "--no-charts", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     live = json.loads((out / "replay.json").read_text())["live"]
-    assert live["router"] == router
+    assert live["router"] == router and live["engine"] == engine
     measured = live["measured"]
     assert live["requests"] == 60 and measured["requests"] == 60 and measured["errors"] == 0
     assert measured["reuse"] > 0 and live["simulated"]["reuse"] > 0  # shared system prompts are reused in both
     assert live["pages_per_worker"] >= 200
+
+
+@pytest.mark.parametrize("flags, problem", [(["--live-engine", "sglang", "--live-router", "dynamo"], "kvcr router only"),
+                                            (["--live-concurrency", "0"], "--live-concurrency 0")])
+def test_live_options_that_cannot_run_are_refused_by_name(tmp_path, flags, problem):
+    run = subprocess.run([sys.executable, "-m", "kvcr.cli", "replay", "--synthetic", "10", "--live", *flags,
+                          "--no-charts", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and problem in run.stderr, run.stderr

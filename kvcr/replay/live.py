@@ -1,5 +1,6 @@
 """`kvcr replay --live`: the trace through the real stack (`kvcr router`, or Dynamo's frontend with
-`--live-router dynamo`, and `kvcr worker`s on this machine), next to what the simulation predicts
+`--live-router dynamo`, and `kvcr worker`s on this machine, or live SGLang engines with kvcr's
+backend behind `kvcr router` with `--live-engine sglang`), next to what the simulation predicts
 for the same workers.
 
 Block-size scaling: each trace block becomes one KV page of `--page-size` tokens (ids drawn from
@@ -29,6 +30,7 @@ from .sim import SimConfig, simulate
 from .trace import TraceRequest
 
 VOCAB = 2048  # the worker's default model
+SGLANG_VOCAB = 512  # the CPU harness's tiny model
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,15 +43,17 @@ class LiveOutcome:
     error: str | None = None
 
 
-def page_tokens(block: int, page_size: int) -> list[int]:
+def page_tokens(block: int, page_size: int, vocab: int = VOCAB) -> list[int]:
     rng = random.Random(block)
-    return [rng.randrange(VOCAB) for _ in range(page_size)]
+    return [rng.randrange(vocab) for _ in range(page_size)]
 
 
 
 class LiveCluster:
     """N `kvcr worker`s (no NVMe: DRAM only, as the matching simulation) behind `kvcr router`, or
     behind Dynamo's unmodified frontend and KV router (`router="dynamo"`, workers run `--dynamo`)."""
+
+    vocab = VOCAB
 
     def __init__(self, workers: int, *, page_size: int, dram: str, run_dir: Path, router: str = "kvcr") -> None:
         self.run_dir = run_dir
@@ -69,6 +73,14 @@ class LiveCluster:
         self.frontend = None
         self.env = env
         self.page_size = page_size
+
+    @staticmethod
+    def page_bytes(page_size: int) -> int:
+        return 2 * 2 * page_size * 64 * 4  # the workers' model: 2 layers, hidden 64, float32, K and V
+
+    def pulled_pages(self) -> int | None:
+        """Pulled pages over the run, where requests cannot tell (None: each request's record does)."""
+        return None
 
     def start(self) -> "LiveCluster":
         if self.kind == "dynamo":
@@ -126,6 +138,93 @@ class LiveCluster:
             self.frontend.stop()
 
 
+class SGLangCluster:
+    """N live SGLang engines (the CPU harness's tiny Llama, `--hicache-storage-backend kvcr`, a
+    runner of `dram` bytes each, no NVMe) behind `kvcr router`. Each engine's own device and host
+    pools are kept below its runner's, so the runner's LRU is what the simulation models."""
+
+    vocab = SGLANG_VOCAB
+
+    def __init__(self, workers: int, *, page_size: int, dram: str, run_dir: Path, longest_tokens: int) -> None:
+        from kvcr.demo.sglang_engines import require_sglang
+
+        require_sglang()
+        self.run_dir, self.page_size = run_dir, page_size
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.model_dir = run_dir / "model"
+        self.device_tokens = max(1024, -(-(longest_tokens + 8 * page_size) // page_size) * page_size)
+        self.dram, self.workers_n = dram, workers
+        self.engines: list = []
+        self.router: Child | None = None
+        self._pulled_before = 0.0
+
+    @staticmethod
+    def page_bytes(page_size: int) -> int:
+        return 2 * 2 * 2 * 16 * 2 * page_size  # the tiny model: 2 layers x K, V x 2 KV heads x 16 dims x bf16
+
+    def start(self) -> "SGLangCluster":
+        import subprocess
+        import sys
+
+        from sglang_adapter.cpu_harness.server import LiveServer
+
+        built = subprocess.run([sys.executable, "-m", "kvcr.demo.sglang_engines", "build-model", str(self.model_dir),
+                                "0"], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building the model failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
+        for key, value in SINGLE_HOST_UCX_ENV.items():  # the engines inherit this environment
+            os.environ.setdefault(key, value)
+        flags = ["--page-size", str(self.page_size), "--max-total-tokens", str(self.device_tokens),
+                 "--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", "wait_complete"]
+        for i in range(self.workers_n):
+            runner = {"runner.state_dir": str(self.run_dir / f"w{i}"), "dram.size": self.dram, "runner.transfer": "get"}
+            self.engines.append(LiveServer(self.logs, f"w{i}", self.model_dir, runner=runner, args=flags,
+                                           extra_config={"prefetch_threshold": self.page_size}))
+        for e in self.engines:
+            e.start()
+        for e in self.engines:
+            e.wait_ready()
+        cfg = {"router": {"port": 0, "block_size": self.page_size, "tokenizer": str(self.model_dir)},
+               "workers": [{"name": e.name, "url": e.url, "engine": "sglang", "runner": e.runner_http}
+                           for e in self.engines]}
+        (self.run_dir / "router.json").write_text(json.dumps(cfg))
+        self.router = Child(self.logs, "router", ["router", "--config", str(self.run_dir / "router.json")],
+                            dict(os.environ))
+        self.router.start()
+        self.router.wait_ready()
+        self._pulled_before = self._pulled()
+        return self
+
+    def send(self, tokens: list[int], rid: str) -> tuple[int, dict | bytes]:
+        # SGLang computes at least a prompt's last token, so a page-aligned prompt could never reuse
+        # its last page: one extra token (not a page of the trace) lets every block be reused
+        body = {"input_ids": [*tokens, 2], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}, "rid": rid}
+        status, _, raw = http(self.router.url + "/generate", body, timeout_s=120)
+        if status != 200:
+            return status, raw
+        cached = json.loads(raw)["meta_info"]["cached_tokens"] // self.page_size
+        # engine pools and local kvcr pages alike; pulled pages are split out over the whole run
+        return status, {"dram_pages": cached, "nvme_pages": 0, "peer_pages": 0}
+
+    def _pulled(self) -> float:
+        from kvcr.demo.sglang_driver import metric
+
+        return sum(metric(e.runner_get("/metrics"), "kvcr_pulled_pages_total") for e in self.engines)
+
+    def pulled_pages(self) -> int | None:
+        return int(self._pulled() - self._pulled_before)
+
+    @property
+    def slots_per_worker(self) -> int:
+        return min(pool["num_slots"] for e in self.engines for pool in e.runner_get("/info")["pools"])
+
+    def stop(self) -> None:
+        stop_all([self.router] if self.router else [])
+        for e in self.engines:
+            e.stop()
+
+
 def drive(cluster: LiveCluster, trace: Sequence[TraceRequest], *, page_size: int, speedup: float,
           concurrency: int = 8, progress: Callable[[int], None] = lambda n: None) -> list[LiveOutcome]:
     """Send each request at its (compressed) arrival time; outcomes in trace order."""
@@ -138,7 +237,7 @@ def drive(cluster: LiveCluster, trace: Sequence[TraceRequest], *, page_size: int
         delay = (req.arrival_s - first) / speedup - (time.monotonic() - t0)
         if delay > 0:
             time.sleep(delay)
-        tokens = [t for b in req.blocks for t in page_tokens(b, page_size)]
+        tokens = [t for b in req.blocks for t in page_tokens(b, page_size, cluster.vocab)]
         start = time.monotonic()
         status, kv = cluster.send(tokens, f"replay-{i}")
         latency = time.monotonic() - start
@@ -156,41 +255,58 @@ def drive(cluster: LiveCluster, trace: Sequence[TraceRequest], *, page_size: int
     return [o for o in out if o is not None]
 
 
-def summarise(outcomes: Sequence[LiveOutcome]) -> dict:
+def summarise(outcomes: Sequence[LiveOutcome], *, pulled: int | None = None) -> dict:
+    """Reuse by tier and latency. `pulled`: the run's pulled pages, where a request's record could
+    not tell them from local ones (SGLang reports only how many tokens it found cached); they
+    move from the local share to the peer share."""
     blocks = sum(o.blocks for o in outcomes) or 1
     latencies = sorted(o.latency_s for o in outcomes)
+    dram, peer = sum(o.dram for o in outcomes), sum(o.peer for o in outcomes)
+    if pulled is not None:
+        dram, peer = max(0, dram - pulled), peer + min(pulled, dram)
+    nvme = sum(o.nvme for o in outcomes)
     return {"requests": len(outcomes), "errors": sum(o.error is not None for o in outcomes),
-            "reuse": sum(o.dram + o.nvme + o.peer for o in outcomes) / blocks,
-            "reuse_by_tier": {"dram": sum(o.dram for o in outcomes) / blocks, "nvme": sum(o.nvme for o in outcomes) / blocks,
-                              "peer": sum(o.peer for o in outcomes) / blocks},
+            "reuse": (dram + nvme + peer) / blocks,
+            "reuse_by_tier": {"dram": dram / blocks, "nvme": nvme / blocks, "peer": peer / blocks},
             "latency_p50_s": latencies[len(latencies) // 2] if latencies else 0.0,
             "latency_mean_s": statistics.fmean(latencies) if latencies else 0.0}
 
 
 def compare(trace: Sequence[TraceRequest], cfg: SimConfig, *, page_size: int, run_dir: Path | None = None,
-            router: str = "kvcr", progress: Callable[[int], None] = lambda n: None) -> dict:
+            router: str = "kvcr", engine: str = "kvcr", concurrency: int = 8,
+            progress: Callable[[int], None] = lambda n: None) -> dict:
     """The trace through a live cluster shaped as `cfg` (its workers, DRAM of cfg.dram_blocks pages,
-    no NVMe, its speed-up), and the kvcr simulation of that same cluster."""
-    page_bytes = 2 * 2 * page_size * 64 * 4  # the live workers' model: 2 layers, hidden 64, float32
+    no NVMe, its speed-up), at most `concurrency` requests in flight, and the kvcr simulation of
+    that same cluster (which serves each request before the next arrives)."""
+    page_bytes = (SGLangCluster if engine == "sglang" else LiveCluster).page_bytes(page_size)
     live, slots = run_live(trace, workers=cfg.workers, page_size=page_size, dram=str(cfg.dram_blocks * page_bytes),
-                           speedup=cfg.speedup, run_dir=run_dir, router=router, progress=progress)
+                           speedup=cfg.speedup, run_dir=run_dir, router=router, engine=engine,
+                           concurrency=concurrency, progress=progress)
     same = replace(cfg, dram_blocks=slots, nvme_blocks=0, block_tokens=page_size)
     full_blocks = [replace(r, input_length=len(r.blocks) * page_size) for r in trace]
     predicted = simulate(full_blocks, same, ["kvcr"])["kvcr"].summary(same.block_bytes)
-    return {"requests": len(trace), "router": router, "pages_per_worker": slots, "measured": live,
+    return {"requests": len(trace), "router": router, "engine": engine, "concurrency": concurrency,
+            "pages_per_worker": slots, "measured": live,
             "simulated": {k: predicted[k] for k in ("reuse", "reuse_by_tier", "pulled_blocks")},
             "reuse_live_over_simulated": live["reuse"] / predicted["reuse"] if predicted["reuse"] else None}
 
 
 def run_live(trace: Sequence[TraceRequest], *, workers: int, page_size: int, dram: str, speedup: float,
-             run_dir: Path | None = None, router: str = "kvcr",
+             run_dir: Path | None = None, router: str = "kvcr", engine: str = "kvcr", concurrency: int = 8,
              progress: Callable[[int], None] = lambda n: None) -> tuple[dict, int]:
     """(live summary, DRAM pages per worker): the cluster is started and stopped here."""
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvcr-replay-live-"))
-    cluster = LiveCluster(workers, page_size=page_size, dram=dram, run_dir=run_dir, router=router)
+    if engine == "sglang":
+        if router != "kvcr":
+            raise ValueError("--live-engine sglang runs behind kvcr router only")
+        cluster = SGLangCluster(workers, page_size=page_size, dram=dram, run_dir=run_dir,
+                                longest_tokens=max((len(r.blocks) for r in trace), default=1) * page_size)
+    else:
+        cluster = LiveCluster(workers, page_size=page_size, dram=dram, run_dir=run_dir, router=router)
     try:
         cluster.start()
-        outcomes = drive(cluster, trace, page_size=page_size, speedup=speedup, progress=progress)
-        return summarise(outcomes), cluster.slots_per_worker
+        outcomes = drive(cluster, trace, page_size=page_size, speedup=speedup, concurrency=concurrency,
+                         progress=progress)
+        return summarise(outcomes, pulled=cluster.pulled_pages()), cluster.slots_per_worker
     finally:
         cluster.stop()

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live-requests", type=int, default=200)
     p.add_argument("--live-router", default="kvcr", choices=("kvcr", "dynamo"),
                    help="live: our router, or Dynamo 1.6.1's unmodified frontend and KV router (make dynamo-setup)")
+    p.add_argument("--live-engine", default="kvcr", choices=("kvcr", "sglang"),
+                   help="live: `kvcr worker`s, or live SGLang engines with kvcr's backend (make sglang-setup; "
+                        "the CPU harness's tiny model; behind kvcr router only)")
+    p.add_argument("--live-concurrency", type=int, default=8,
+                   help="live: requests in flight at most (1: each served before the next, as the simulation)")
     p.add_argument("--page-size", type=int, default=16, help="live: tokens per KV page (one per trace block)")
 
 
@@ -64,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         policies = _policies(args.policies)
+        if args.live_concurrency < 1:
+            raise ValueError(f"--live-concurrency {args.live_concurrency} must be at least 1")
+        if args.live_engine == "sglang" and args.live_router != "kvcr":
+            raise ValueError("--live-engine sglang runs behind kvcr router only (not --live-router dynamo)")
         cfg = config(args)
         sweep = [int(c) for c in args.sweep_capacity.split(",")] if args.sweep_capacity else []
         trace_path = _trace_path(args, out)
@@ -120,9 +129,11 @@ def live_comparison(args: argparse.Namespace, trace: list, console) -> dict:
     part = trace[:args.live_requests]
     with Progress(console=console, transient=True) as bar:
         router = "Dynamo's frontend" if args.live_router == "dynamo" else "kvcr router"
-        task = bar.add_task(f"live: {len(part)} requests through {router} + {args.workers} workers", total=len(part))
+        workers = "live SGLang engines" if args.live_engine == "sglang" else "workers"
+        task = bar.add_task(f"live: {len(part)} requests through {router} + {args.workers} {workers}", total=len(part))
         result = compare(part, config(args), page_size=args.page_size, run_dir=Path(args.out) / "live",
-                         router=args.live_router, progress=lambda n: bar.advance(task, n))
+                         router=args.live_router, engine=args.live_engine, concurrency=args.live_concurrency,
+                         progress=lambda n: bar.advance(task, n))
     live, predicted, agreement = result["measured"], result["simulated"], result["reuse_live_over_simulated"]
     console.print(f"live ({router}): reuse {live['reuse']:.1%} (DRAM {live['reuse_by_tier']['dram']:.1%}, peer "
                   f"{live['reuse_by_tier']['peer']:.1%}), simulation of the same cluster {predicted['reuse']:.1%}"
