@@ -71,6 +71,20 @@ def build_demo_model(directory: Path, *, seed: int = 0) -> Path:
     return build_model(directory, seed=seed, init_std=INIT_RANGE)
 
 
+def build_model_apart(directory: Path, seed: int) -> None:
+    """build_demo_model in a process of its own: torch and transformers stay out of the caller's memory."""
+    built = subprocess.run([sys.executable, "-m", "kvcr.demo.sglang_engines", "build-model", str(directory),
+                            str(seed)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"building the model failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
+
+
+def router_config(engines: list, page_size: int, tokenizer: Path) -> dict:
+    """`kvcr router`'s config for live engines (LiveServers) with kvcr's backend."""
+    return {"router": {"port": 0, "block_size": page_size, "tokenizer": str(tokenizer)},
+            "workers": [{"name": e.name, "url": e.url, "engine": "sglang", "runner": e.runner_http} for e in engines]}
+
+
 def _reference_class():
     from sglang_adapter.cpu_harness import server
 
@@ -114,11 +128,7 @@ class SGLangDemo(Demo):
             os.environ.setdefault(key, value)
         start = time.monotonic()
         self.model_dir = self.tmp / "model"
-        # in a process of its own: torch and transformers stay out of the demo's memory
-        built = subprocess.run([sys.executable, "-m", "kvcr.demo.sglang_engines", "build-model",
-                                str(self.model_dir), str(a.seed)], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building the model failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
+        build_model_apart(self.model_dir, a.seed)
         _say(f"[1/4] starting {a.workers} SGLang {SGLANG_VERSION} engines with kvcr's backend (tiny random Llama "
              f"built in {self.model_dir} in {time.monotonic() - start:.1f} s; runner with DRAM {a.dram} + NVMe in "
              f"{self.tmp}, UCX peer server) and a reference engine for the oracle (--disable-radix-cache, no "
@@ -148,9 +158,7 @@ class SGLangDemo(Demo):
             tmp = logs / f"{e.name}.info.json.tmp"  # as a `kvcr worker` writes it: url and runner info
             tmp.write_text(json.dumps({"url": e.url, "kvcr_runner": info}))
             os.replace(tmp, logs / f"{e.name}.info.json")
-        cfg = {"router": {"port": 0, "block_size": a.page_size, "tokenizer": str(self.model_dir)},
-               "workers": [{"name": e.name, "url": e.url, "engine": "sglang", "runner": e.runner_http}
-                           for e in self.workers_]}
+        cfg = router_config(self.workers_, a.page_size, self.model_dir)
         self.start_router(cfg, logs, "; the model's tokenizer")
         for e in self.workers_:
             _say(f"      {e.name} {e.url}  runner {e.runner_http}/metrics  control {e.endpoints['control']}  "

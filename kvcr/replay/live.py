@@ -164,15 +164,10 @@ class SGLangCluster:
         return 2 * 2 * 2 * 16 * 2 * page_size  # the tiny model: 2 layers x K, V x 2 KV heads x 16 dims x bf16
 
     def start(self) -> "SGLangCluster":
-        import subprocess
-        import sys
-
+        from kvcr.demo.sglang_engines import build_model_apart, router_config
         from sglang_adapter.cpu_harness.server import LiveServer
 
-        built = subprocess.run([sys.executable, "-m", "kvcr.demo.sglang_engines", "build-model", str(self.model_dir),
-                                "0"], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building the model failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
+        build_model_apart(self.model_dir, 0)
         for key, value in SINGLE_HOST_UCX_ENV.items():  # the engines inherit this environment
             os.environ.setdefault(key, value)
         flags = ["--page-size", str(self.page_size), "--max-total-tokens", str(self.device_tokens),
@@ -185,10 +180,7 @@ class SGLangCluster:
             e.start()
         for e in self.engines:
             e.wait_ready()
-        cfg = {"router": {"port": 0, "block_size": self.page_size, "tokenizer": str(self.model_dir)},
-               "workers": [{"name": e.name, "url": e.url, "engine": "sglang", "runner": e.runner_http}
-                           for e in self.engines]}
-        (self.run_dir / "router.json").write_text(json.dumps(cfg))
+        (self.run_dir / "router.json").write_text(json.dumps(router_config(self.engines, self.page_size, self.model_dir)))
         self.router = Child(self.logs, "router", ["router", "--config", str(self.run_dir / "router.json")],
                             dict(os.environ))
         self.router.start()

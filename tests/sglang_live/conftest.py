@@ -87,13 +87,42 @@ def serve(server: LiveServer, text: str, timeout_s: float = 30.0, **extra) -> di
     return answer
 
 
+def scheduler(server: LiveServer):
+    """The engine's scheduler process (its in-process runner lives there)."""
+    import psutil
+
+    procs = psutil.Process(server.proc.pid).children(recursive=True)
+    return next(p for p in procs if "scheduler" in " ".join(p.cmdline()))
+
+
+def pulls_again(source: LiveServer, puller: LiveServer, text: str) -> None:
+    """`source` (restarted) serves `text`; `puller`, flushed, then pulls all its full pages on a hint
+    and answers as the source did; the source ends with no claim."""
+    from kvcr.proto.hints import build_envelope
+    from tests.conftest import wait_until
+
+    at_source = serve(source, text)
+    envelope = build_envelope(source.endpoints["control"], source.stored_hashes())
+
+    def pulled():
+        flush(puller)
+        got = generate(puller, text, kv_hints=envelope)
+        return got if got["meta_info"]["cached_tokens"] > 0 else None
+    got = wait_until(pulled, timeout_s=60, interval_s=1.0, message=f"{puller.name} pulls from the restarted {source.name}")
+    assert got["meta_info"]["cached_tokens_details"]["storage"] == at_source["meta_info"]["prompt_tokens"] // 16 * 16
+    assert logprobs(got) == logprobs(at_source)
+    wait_until(lambda: metric(source.runner_get("/metrics"), "kvcr_claims_held") == 0, timeout_s=10,
+               message=f"{source.name} holds no claim")
+
+
 @pytest.fixture
 def live():
-    """The helpers live tests share (generate, serve, logprobs, flush)."""
+    """The helpers live tests share (generate, serve, logprobs, flush, scheduler, pulls_again)."""
     class Live:
         pass
     h = Live()
     h.generate, h.serve, h.logprobs, h.flush = generate, serve, logprobs, flush
+    h.scheduler, h.pulls_again = scheduler, pulls_again
     return h
 
 

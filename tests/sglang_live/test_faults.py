@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from kvcr.proto.hints import build_envelope
@@ -34,12 +33,6 @@ def served(server, live, seed: int, words: int = 300) -> tuple[str, dict]:
 
 def runner_metric(server, name: str) -> float:
     return metric(server.runner_get("/metrics"), name)
-
-
-def scheduler(server) -> psutil.Process:
-    """The engine's scheduler process (its runner lives there)."""
-    procs = psutil.Process(server.proc.pid).children(recursive=True)
-    return next(p for p in procs if "scheduler" in " ".join(p.cmdline()))
 
 
 def regions(server) -> set[str]:
@@ -118,7 +111,7 @@ def test_a_peer_killed_while_the_prefetch_waits_on_it_is_a_miss_and_serves_again
     text, at_a = served(a, live, seed=230)
     envelope = build_envelope(a.endpoints["control"], a.stored_hashes())
     old_regions = regions(a)
-    scheduler(a).send_signal(signal.SIGSTOP)  # the claim below waits on A
+    live.scheduler(a).send_signal(signal.SIGSTOP)  # the claim below waits on A
     result: dict = {}
     asking = threading.Thread(target=lambda: result.update(live.generate(b, text, kv_hints=envelope)))
     asking.start()
@@ -129,18 +122,8 @@ def test_a_peer_killed_while_the_prefetch_waits_on_it_is_a_miss_and_serves_again
     assert live.logprobs(result) == live.logprobs(at_a)
     assert b.proc.poll() is None
     a.start().wait_ready()
-    text2, at_a2 = served(a, live, seed=231)
+    live.pulls_again(a, b, prompt_text(231, 300))
     assert not (old_regions & regions(a)), "the killed engine's region outlived its restart"
-    envelope2 = build_envelope(a.endpoints["control"], a.stored_hashes())
-
-    def pulled_again():
-        live.flush(b)
-        got = live.generate(b, text2, kv_hints=envelope2)
-        return got if got["meta_info"]["cached_tokens"] > 0 else None
-    got = wait_until(pulled_again, timeout_s=60, interval_s=1.0, message="B pulls from the restarted A")
-    assert got["meta_info"]["cached_tokens_details"]["storage"] == at_a2["meta_info"]["prompt_tokens"] // PAGE * PAGE
-    assert live.logprobs(got) == live.logprobs(at_a2)
-    wait_until(lambda: runner_metric(a, "kvcr_claims_held") == 0, timeout_s=10, message="A holds no claim")
 
 
 def test_a_stalled_peers_late_grant_is_given_back_at_once(trio, live):
@@ -148,7 +131,7 @@ def test_a_stalled_peers_late_grant_is_given_back_at_once(trio, live):
     text, at_a = served(a, live, seed=240)
     envelope = build_envelope(a.endpoints["control"], a.stored_hashes())
     hits = runner_metric(a, "kvcr_hits_total")
-    sched = scheduler(a)
+    sched = live.scheduler(a)
     sched.send_signal(signal.SIGSTOP)
     try:
         got = live.generate(b, text, kv_hints=envelope)  # B stops waiting after 1 s: a miss

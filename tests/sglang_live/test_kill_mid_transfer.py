@@ -99,16 +99,4 @@ def test_a_source_killed_mid_transfer_leaves_the_puller_answering_with_whole_pag
     assert live.logprobs(local) == live.logprobs(at_a)
     # and the restarted A serves B again
     a.start().wait_ready()
-    text2 = prompt_text(801, 400)
-    at_a2 = live.serve(a, text2)
-    envelope2 = build_envelope(a.endpoints["control"], a.stored_hashes())
-
-    def pulled_again():
-        live.flush(b)
-        got = live.generate(b, text2, kv_hints=envelope2)
-        return got if got["meta_info"]["cached_tokens"] > 0 else None
-    got = wait_until(pulled_again, timeout_s=60, interval_s=1.0, message="B pulls from the restarted A")
-    assert got["meta_info"]["cached_tokens_details"]["storage"] == at_a2["meta_info"]["prompt_tokens"] // PAGE * PAGE
-    assert live.logprobs(got) == live.logprobs(at_a2)
-    wait_until(lambda: metric(a.runner_get("/metrics"), "kvcr_claims_held") == 0, timeout_s=10,
-               message="A holds no claim")
+    live.pulls_again(a, b, prompt_text(801, 400))

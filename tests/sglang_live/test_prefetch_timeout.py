@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 
-import psutil
 import pytest
 
 from kvcr.proto.hints import build_envelope
@@ -32,18 +31,13 @@ def runner_metric(server, name: str) -> float:
     return metric(server.runner_get("/metrics"), name)
 
 
-def scheduler(server) -> psutil.Process:
-    procs = psutil.Process(server.proc.pid).children(recursive=True)
-    return next(p for p in procs if "scheduler" in " ".join(p.cmdline()))
-
-
 def test_sglang_ends_a_prefetch_stuck_on_a_silent_peer_and_the_late_grant_goes_back(pair, live):
     a, b = pair
     text = prompt_text(700, 300)
     at_a = live.serve(a, text)
     envelope = build_envelope(a.endpoints["control"], a.stored_hashes())
     hits = runner_metric(a, "kvcr_hits_total")
-    sched = scheduler(a)
+    sched = live.scheduler(a)
     sched.send_signal(signal.SIGSTOP)
     try:
         got = live.generate(b, text, kv_hints=envelope)
