@@ -283,14 +283,21 @@ def compare(trace: Sequence[TraceRequest], cfg: SimConfig, *, page_size: int, ru
             "reuse_live_over_simulated": live["reuse"] / predicted["reuse"] if predicted["reuse"] else None}
 
 
+def check_options(*, router: str, engine: str, concurrency: int) -> None:
+    """Refuse, by name, a live run that cannot be made (ValueError)."""
+    if concurrency < 1:
+        raise ValueError(f"--live-concurrency {concurrency} must be at least 1")
+    if engine == "sglang" and router != "kvcr":
+        raise ValueError("--live-engine sglang runs behind kvcr router only (not --live-router dynamo)")
+
+
 def run_live(trace: Sequence[TraceRequest], *, workers: int, page_size: int, dram: str, speedup: float,
              run_dir: Path | None = None, router: str = "kvcr", engine: str = "kvcr", concurrency: int = 8,
              progress: Callable[[int], None] = lambda n: None) -> tuple[dict, int]:
     """(live summary, DRAM pages per worker): the cluster is started and stopped here."""
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvcr-replay-live-"))
+    check_options(router=router, engine=engine, concurrency=concurrency)
     if engine == "sglang":
-        if router != "kvcr":
-            raise ValueError("--live-engine sglang runs behind kvcr router only")
         cluster = SGLangCluster(workers, page_size=page_size, dram=dram, run_dir=run_dir,
                                 longest_tokens=max((len(r.blocks) for r in trace), default=1) * page_size)
     else:

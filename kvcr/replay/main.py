@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         policies = _policies(args.policies)
-        if args.live_concurrency < 1:
-            raise ValueError(f"--live-concurrency {args.live_concurrency} must be at least 1")
-        if args.live_engine == "sglang" and args.live_router != "kvcr":
-            raise ValueError("--live-engine sglang runs behind kvcr router only (not --live-router dynamo)")
+        if args.live:
+            from .live import check_options
+
+            check_options(router=args.live_router, engine=args.live_engine, concurrency=args.live_concurrency)
         cfg = config(args)
         sweep = [int(c) for c in args.sweep_capacity.split(",")] if args.sweep_capacity else []
         trace_path = _trace_path(args, out)
