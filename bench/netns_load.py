@@ -36,7 +36,7 @@ DESTINATION = r"""
 import ctypes, json, sys, time
 from kvcr.config import CurveKeys
 from kvcr.drivers.ucx_plane import UcxPlane
-from kvcr.peer import Puller
+from kvcr.drivers.puller import Puller
 from tests.test_service import pages_for
 control, pages, seconds, public, secret = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 keys, _, data = pages_for(pages, seed=1, page_bytes=%(page)d)

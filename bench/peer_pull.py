@@ -3,7 +3,7 @@
     .venv/bin/python bench/peer_pull.py [--repeats 5] [--quick]
 
 A source runner (`kvcr serve`, its own process) holds the pages; this process pulls them with
-kvcr.peer.Puller into pre-faulted buffers. Baseline: the same GETs on the same endpoint and
+kvcr.drivers.puller.Puller into pre-faulted buffers. Baseline: the same GETs on the same endpoint and
 remote key, with no claim and no release (the transport's limit). Shared memory (`UCX_TLS=sm,tcp`)
 and TCP (`UCX_TLS=tcp`) are measured in separate child runs, since UCX reads its transport
 settings once per process. Small pages are scattered over the destination, so they cannot be
@@ -50,7 +50,7 @@ def start_source(tmp: Path, page_bytes: int, pages: int, env: dict) -> tuple[sub
 def child(transport: str, repeats: int, quick: bool) -> list[dict]:
     from kvcr.client import AttachedWriter, ControlClient
     from kvcr.drivers.ucx_plane import UcxPlane
-    from kvcr.peer import Puller
+    from kvcr.drivers.puller import Puller
     from kvcr.proto.keys import request_page_hashes
     from kvcr.proto.pull import plan_gets
 

@@ -68,7 +68,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     args = ap.parse_args()
     from kvcr.drivers.ucx_plane import UcxPlane
-    from kvcr.peer import Puller
+    from kvcr.drivers.puller import Puller
     from kvcr.proto.reach import Reachability
 
     source = Source(Path(tempfile.mkdtemp(prefix="kvcr-kills-")))

@@ -64,7 +64,7 @@ from typing import Callable
 import ctypes, os, tempfile, time
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.drivers.ucx_plane import UcxPlane
-from kvcr.peer import Puller
+from kvcr.drivers.puller import Puller
 from kvcr.proto.keys import request_page_hashes
 pages, page_bytes, iterations, ROTATION = {pages}, {page_bytes}, {iterations}, {ROTATION}
 with tempfile.TemporaryDirectory() as tmp:

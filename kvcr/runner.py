@@ -36,7 +36,8 @@ from .proto.relay import RelayStep
 from .proto.shards import ShardGroups
 
 if TYPE_CHECKING:
-    from .peer import Confirmation
+    from .drivers.puller import Confirmation, Puller
+    from .drivers.ucx_plane import UcxPlane
 
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,8 @@ class Runner:
         self.persister = Persister(self, policy=cfg.nvme.write_policy, batch=cfg.nvme.write_batch)
         if self.disks:
             self.persister.start()
-        self.plane = None  # the UCX data plane, set by the service when peers are served
-        self.puller = None  # kvcr.peer.Puller, set with the plane
+        self.plane: UcxPlane | None = None  # the UCX data plane, set by the service when peers are served
+        self.puller: Puller | None = None   # set with the plane
         self.hints = HintBook(ttl_s=cfg.runner.hint_ttl_s, max_hashes=cfg.runner.max_hinted_hashes)
         self.shard_groups = ShardGroups()
         self.num_pulled = 0

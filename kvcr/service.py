@@ -34,7 +34,7 @@ class Service:
         self.plane = None
         if cfg.runner.ucx:
             from .drivers.ucx_plane import UcxPlane  # loads libucx: only when peers are served
-            from .peer import Puller
+            from .drivers.puller import Puller
             from .proto.reach import Reachability
 
             self.plane = UcxPlane(lanes=cfg.runner.pull_lanes, interface=cfg.runner.ucx_interface)

@@ -12,14 +12,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcr.drivers.puller import Confirmation
 
 
 @dataclass
 class Pending:
-    conf: Any            # kvcr.peer.Confirmation
+    conf: Confirmation
     page_hexes: list[str]
-    since: float
     owners: set[str | None] = field(default_factory=lambda: {None})  # request ids (None: unknown)
 
 
@@ -102,9 +104,10 @@ class PendingClaims:
                     gone.append(p)
         return gone
 
-    def expire(self, now: float, ttl_s: float) -> list[Pending]:
+    def expire(self, now: float) -> list[Pending]:
+        """Claims whose lease may be over (the pull owns the lease): SGLang never collected them."""
         with self._lock:
-            gone = [p for runs in self._by_first.values() for p in runs if now - p.since > ttl_s]
+            gone = [p for runs in self._by_first.values() for p in runs if p.conf.lease_over(now)]
             for p in gone:
                 self._remove(p)
         return gone

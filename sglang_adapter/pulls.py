@@ -4,12 +4,15 @@ what a peer confirmed straight into SGLang's host pages."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from kvcr.proto.hints import HintError, parse_envelope
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 
 from .pending import PendingClaims
+
+if TYPE_CHECKING:
+    from kvcr.drivers.puller import Confirmation, Puller
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +29,9 @@ def request_hint_source(raw: object, keys: list[str]) -> tuple[str, int] | None:
     return (hint.source_control_endpoint, depth) if depth else None
 
 
-def deliver_confirmed(puller, pending: PendingClaims, keys: list[str], segments: list[list[int]], n: int,
+def deliver_confirmed(puller: Puller, pending: PendingClaims, keys: list[str], segments: list[list[int]], n: int,
                       segment_bytes: tuple[int, ...], slice_offset: int = 0,
-                      on_delivered: Callable[[int, int, Any], None] | None = None) -> int:
+                      on_delivered: Callable[[int, int, Confirmation], None] | None = None) -> int:
     """GET what batch_exists confirmed, from keys[n] on, straight into the host pages (a TP rank:
     its slice of each page). Returns the pages delivered whole, in order; `on_delivered(first,
     count, confirmation)` is told of each claim's whole pages as they arrive."""

@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvcr.client import AttachedWriter, ControlClient, ControlError
-from kvcr.peer import PeerError, Puller
+from kvcr.drivers.puller import PeerError, Puller
 from kvcr.proto import messages as m
 from kvcr.proto.keys import Namespace
 
@@ -60,7 +59,6 @@ class KVCRSidecarStorage(HiCacheStorage):
         self.mem_pool_host = None
         self._puller: Puller | None = None  # made on the first request hint: a UCX worker of our own
         self._pending = PendingClaims()
-        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
 
     @property
     def writer(self) -> AttachedWriter:
@@ -98,7 +96,7 @@ class KVCRSidecarStorage(HiCacheStorage):
     # --- lookups -----------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        self._give_back(self._pending.expire(time.monotonic(), self.cfg.claim_lease_s))
+        self._give_back(self._pending.expire(time.monotonic()))
         client = self.writer.client
         try:
             tiers = client.request(m.Lookup(pool=POOL, keys=list(keys))).tiers
@@ -133,7 +131,7 @@ class KVCRSidecarStorage(HiCacheStorage):
             return 0
         if conf is None:
             return 0
-        pending = Pending(conf, keys[local:local + conf.num_pages], time.monotonic(), {owner})
+        pending = Pending(conf, keys[local:local + conf.num_pages], {owner})
         if not self._pending.add(pending):  # granted after its prefetch ended: nobody will collect it
             self._give_back([pending])
             return 0
@@ -152,7 +150,7 @@ class KVCRSidecarStorage(HiCacheStorage):
 
     def _give_back(self, pending: list[Pending]) -> None:
         for p in pending:
-            self._releaser.submit(self.puller.release, p.conf, wait=False)
+            self.puller.release(p.conf, wait=False)  # sent by the puller's sender: never waits here
 
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
         self._give_back(self._pending.take_starting_in(keys, request_id))
@@ -245,7 +243,6 @@ class KVCRSidecarStorage(HiCacheStorage):
     def close(self) -> None:
         if self._puller is not None:
             self._give_back(self._pending.drain())
-            self._releaser.shutdown(wait=True)
             self._puller.close()
             self._puller.plane.close()
         with self._writers_lock:

@@ -12,7 +12,6 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 
@@ -28,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvcr.config import load_config
-from kvcr.peer import PeerError
+from kvcr.proto.pull import PeerError
 from kvcr.proto.announce import Announce
 from kvcr.proto.events import EventError
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64
@@ -83,9 +82,6 @@ class KVCRStorage(HiCacheStorage):
         self.layouts: dict[str, KeyLayout] = {}  # per host pool: what one key holds of it
         self.mem_pool_host = None
         self._pending = PendingClaims()
-        # Releases go out on their own thread: a caller (the scheduler's prefetch-ended hook)
-        # must not wait on a source's lock held by a transfer in flight.
-        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
         self._start_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._chain: AnnounceChain | None = None  # made once the KV pool's page size is known
@@ -196,7 +192,7 @@ class KVCRStorage(HiCacheStorage):
                 conf = None
             if conf is None:
                 break
-            pending = Pending(conf, keys[got:got + conf.num_pages], time.monotonic(), {owner})
+            pending = Pending(conf, keys[got:got + conf.num_pages], {owner})
             if not self._pending.add(pending):  # granted after its prefetch ended: nobody will collect it
                 self._give_back([pending])
                 break
@@ -224,11 +220,13 @@ class KVCRStorage(HiCacheStorage):
 
     def _give_back(self, pending: list[Pending]) -> None:
         for p in pending:
-            self._releaser.submit(self.runner.puller.release, p.conf, wait=False)
+            # Not waited for: the caller (the scheduler's prefetch-ended hook) must not wait on a
+            # source's socket held by a transfer in flight; the puller's sender sends it.
+            self.runner.puller.release(p.conf, wait=False)
 
     def _expire_pending(self) -> None:
         """Give back claims SGLang never collected (a prefetch that ended or was revoked)."""
-        gone = self._pending.expire(time.monotonic(), self.cfg.claim_lease_s)
+        gone = self._pending.expire(time.monotonic())
         self._give_back(gone)
         self.num_claims_expired += len(gone)
 
@@ -446,6 +444,5 @@ class KVCRStorage(HiCacheStorage):
             self.peer_feed = None
         if self.service is not None:
             self._give_back(self._pending.drain())
-            self._releaser.shutdown(wait=True)
             self.service.stop()
             self.service = None

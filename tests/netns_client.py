@@ -37,7 +37,7 @@ def put(control: str, n: int, seed: int) -> dict:
 
 def pull(control: str, n: int, seed: int) -> dict:
     from kvcr.drivers.ucx_plane import UcxPlane
-    from kvcr.peer import Puller
+    from kvcr.drivers.puller import Puller
 
     keys, _, data = pages_for(n, seed=seed, page_bytes=PAGE)
     plane = UcxPlane(interface="eth0")

@@ -124,7 +124,7 @@ def test_an_untrusted_source_is_refused(runner_factory):
 @pytest.fixture
 def puller():
     from kvcr.drivers.ucx_plane import UcxPlane
-    from kvcr.peer import Puller
+    from kvcr.drivers.puller import Puller
 
     plane = UcxPlane()
     p = Puller(plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5)
@@ -339,7 +339,7 @@ def test_both_transfers_deliver_the_same_bytes_scattered_over_the_destination(ru
 
 def test_a_large_same_host_pull_split_over_copy_threads_lands_every_page(runner_factory, puller):
     from kvcr.drivers.memcopy import PARALLEL_MIN_BYTES
-    from kvcr.peer import Puller
+    from kvcr.drivers.puller import Puller
 
     a, ai = source(runner_factory)
     n = PARALLEL_MIN_BYTES // PAGE + 9  # past the threshold, and not a multiple of the thread count
@@ -369,7 +369,7 @@ def test_back_to_back_pulls_find_the_previous_claim_released(runner_factory, pul
 
 
 def test_a_release_queued_when_the_source_is_forgotten_still_goes_out(runner_factory, puller):
-    from kvcr.peer import Puller
+    from kvcr.drivers.puller import Puller
 
     a, ai = source(runner_factory)
     keys, _, _ = store(ai, 2, seed=24)

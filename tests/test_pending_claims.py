@@ -3,13 +3,25 @@ restorable prefixes per hit policy, page announces."""
 
 import pytest
 
+from dataclasses import dataclass
+
 from kvcr.proto.keys import event_hashes, page_hashes, storage_namespace_seed
 from sglang_adapter.pagemeta import AnnounceChain, restorable
 from sglang_adapter.pending import Pending, PendingClaims
 
 
-def claim(run: list[str], since: float = 0.0) -> Pending:
-    return Pending(conf=object(), page_hexes=run, since=since)
+@dataclass(frozen=True)
+class Lease:
+    """A confirmation's lease, without the claim behind it (the pull decides lease_over)."""
+
+    deadline: float
+
+    def lease_over(self, now: float) -> bool:
+        return now >= self.deadline
+
+
+def claim(run: list[str], deadline: float = 5.0) -> Pending:
+    return Pending(conf=Lease(deadline), page_hexes=run)
 
 
 def test_two_requests_sharing_a_first_key_never_collect_each_others_claim():
@@ -26,11 +38,11 @@ def test_two_requests_sharing_a_first_key_never_collect_each_others_claim():
 
 def test_chained_claims_cover_a_long_request_and_expire_or_drain():
     claims = PendingClaims()
-    first, second = claim(["p0", "p1"], since=0.0), claim(["p2", "p3"], since=10.0)
+    first, second = claim(["p0", "p1"], deadline=5.0), claim(["p2", "p3"], deadline=15.0)
     claims.add(first)
     claims.add(second)
     assert claims.covered(["x", "p0", "p1", "p2", "p3"], 1) == 5
-    assert claims.expire(now=12.0, ttl_s=5.0) == [first]
+    assert claims.expire(now=12.0) == [first]
     assert claims.take_starting_in(["p2"], None) == [second]
     claims.add(claim(["q0"]))
     assert len(claims.drain()) == 1 and len(claims) == 0
@@ -38,7 +50,7 @@ def test_chained_claims_cover_a_long_request_and_expire_or_drain():
 
 def test_a_claim_two_requests_count_on_goes_back_only_when_both_ended():
     claims = PendingClaims()
-    shared = Pending(conf=object(), page_hexes=["s0", "s1"], since=0.0, owners={"rid-a"})
+    shared = Pending(conf=Lease(5.0), page_hexes=["s0", "s1"], owners={"rid-a"})
     claims.add(shared)
     assert claims.covered(["s0", "s1"], 0, "rid-b") == 2  # B's query counts on A's claim
     assert claims.take_starting_in(["s0", "s1"], "rid-a") == []  # A revoked: B still needs it
@@ -91,7 +103,7 @@ def test_a_salted_chain_whose_parent_was_never_stored_here_is_not_announced():
 def test_a_claim_granted_after_its_prefetch_ended_is_not_held(owners, held):
     claims = PendingClaims()
     assert claims.take_starting_in(["g0"], "rid-late") == []  # the prefetch ended before the grant came
-    assert claims.add(Pending(conf=object(), page_hexes=["g0", "g1"], since=0.0, owners=set(owners))) is held
+    assert claims.add(Pending(conf=Lease(5.0), page_hexes=["g0", "g1"], owners=set(owners))) is held
     assert len(claims) == int(held)
 
 
@@ -100,4 +112,4 @@ def test_a_request_prefetching_again_under_the_same_id_gets_its_grants_held():
     claims = PendingClaims()
     claims.take_starting_in(["r0"], "rid-retry")  # the first prefetch ended
     claims.started("rid-retry")                   # the retry's hit query begins
-    assert claims.add(Pending(conf=object(), page_hexes=["r0"], since=0.0, owners={"rid-retry"}))
+    assert claims.add(Pending(conf=Lease(5.0), page_hexes=["r0"], owners={"rid-retry"}))

@@ -20,14 +20,14 @@ from zmq.auth.thread import ThreadAuthenticator
 from ..config import CurveKeys
 from ..proto import messages as m
 from ..proto.announce import Announce
-from ..proto.claims import ClaimError
+from ..proto.claims import MAX_LEASE_S, ClaimError
 from ..proto.hints import parse_envelope
 from ..proto.keys import hash_str_to_int64
 from ..proto.pool import Page, PoolError
 
 log = logging.getLogger(__name__)
 SNAPSHOT_CHUNK = 4096
-MAX_LEASE_S = 3600.0
+
 MAX_PID = 1 << 22  # Linux pid_max ceiling
 OFFSET_PRESENT = -1    # Reserved.offsets: the page is stored already
 OFFSET_IN_FLIGHT = -2  # Reserved.offsets: another writer is storing it (it may still fail)
@@ -218,7 +218,7 @@ class ControlServer:
         return m.Removed(num_removed=self.runner.remove(msg.pool, self._keys(msg.pool, msg.keys)))
 
     def _on_pull(self, msg: m.Pull, owner: str) -> m.Message:
-        from ..peer import PeerError
+        from ..proto.pull import PeerError
 
         if self.runner.puller is None:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")

@@ -16,6 +16,7 @@ from .announce import Announce
 from .pool import InFlight, Page, PagePool, PoolError
 
 TOMBSTONES = 4096
+MAX_LEASE_S = 3600.0  # the longest lease a claim may ask for, and a grant may carry
 
 
 class ClaimError(Exception):

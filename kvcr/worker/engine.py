@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from ..peer import PeerError
+from ..proto.pull import PeerError
 from ..proto.announce import Announce, announce_request
 from ..proto.hints import FetchHint
 from ..proto.keys import U64_MASK, page_hashes
