@@ -127,7 +127,7 @@ def retention_case(root: Path, dram_pages: int, factor: int) -> str:
         with runner.lock:
             keys = [k for hexes, _, _ in reqs for k in runner.keys("kv", hexes)]
             pool, disk = runner.pools["kv"], runner.disks.get("kv")
-            kept = sum(pool.get(k) is not None or (disk is not None and disk.name(k[:64]) in disk.index) for k in keys)
+            kept = sum(pool.get(k) is not None or (disk is not None and disk.name(k.page_hex) in disk.index) for k in keys)
             dropped = sum(pool.dropped.values())
         cells.append(f"{kept / stored * 100:.1f} % ({dropped} dropped)")
         runner.shutdown()

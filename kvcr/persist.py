@@ -71,12 +71,12 @@ class Persister:
                 pages = pool.take_dirty(batch)
             if not pages:
                 return 0
-            present = [disk.name(p.key[:64]) in disk.index for p in pages]
+            present = [disk.name(p.key.page_hex) in disk.index for p in pages]
         todo = [p for p, here in zip(pages, present) if not here]
         outcomes: dict[int, Written] = {}
         try:
             if todo:
-                written = disk.write_pages([p.key[:64] for p in todo], [runner.slot_view(name, p) for p in todo],
+                written = disk.write_pages([p.key.page_hex for p in todo], [runner.slot_view(name, p) for p in todo],
                                            [p.announce for p in todo])
                 outcomes = {id(p): w for p, w in zip(todo, written)}
         finally:

@@ -30,7 +30,7 @@ from .proto.disk_index import DiskIndex
 from .proto.events import AllBlocksCleared, Event, EventError
 from .proto.hintbook import HintBook, HintedSource
 from .proto.hints import FetchHint
-from .proto.keys import Namespace, storage_key
+from .proto.keys import Namespace, StorageKey, storage_key
 from .proto.pool import Keep, Page, PagePool, PageSizeError, PoolBusy, PoolError, coalesce_stored
 from .proto.relay import RelayStep
 from .proto.shards import ShardGroups
@@ -150,10 +150,10 @@ class Runner:
         except KeyError:
             raise UnknownPool(f"unknown pool {name!r}; this runner has {sorted(self.pools)}") from None
 
-    def key(self, pool: str, page_hex: str) -> str:
+    def key(self, pool: str, page_hex: str) -> StorageKey:
         return self.keys(pool, [page_hex])[0]
 
-    def keys(self, pool: str, page_hexes: Sequence[str]) -> list[str]:
+    def keys(self, pool: str, page_hexes: Sequence[str]) -> list[StorageKey]:
         digest = self.layouts[pool].namespace.digest  # once per request, not per page
         return [storage_key(h, digest) for h in page_hexes]
 
@@ -166,7 +166,7 @@ class Runner:
         for name, disk in self.disks.items():  # DRAM copies of pages NVMe let go lose their keeper
             dropped = disk.index.take_dropped()
             if dropped:
-                self.pools[name].mark_unkept(self.keys(name, [n[:64] for n in dropped]), Keep.LOWER_EVICTED)
+                self.pools[name].mark_unkept(self.keys(name, [self.disks[name].page_hex(n) for n in dropped]), Keep.LOWER_EVICTED)
         for pool in self.pools.values():
             events.extend(pool.take_events())
         for disk in self.disks.values():
@@ -185,7 +185,7 @@ class Runner:
 
     # --- fills -------------------------------------------------------------------------------
 
-    def reserve(self, pool: str, keys: Sequence[str], announces: Sequence[Announce | None] | None = None, *,
+    def reserve(self, pool: str, keys: Sequence[StorageKey], announces: Sequence[Announce | None] | None = None, *,
                 owner: str = "local", lease_s: float | None = None, writer_pid: int = 0) -> Fill:
         """Reserve slots for `keys`. When only DIRTY pages could make room, wait up to
         nvme.dirty_wait_s for the persister to write them, then drop the least recently used ones
@@ -260,7 +260,7 @@ class Runner:
         """The page's digest from its commit, or (a runner keeping none) of its bytes now."""
         return page.digest if page.digest is not None else xxhash.xxh3_64_intdigest(self.slot_view(pool, page))
 
-    def reserve_shard(self, pool: str, keys: Sequence[str], shard: int,
+    def reserve_shard(self, pool: str, keys: Sequence[StorageKey], shard: int,
                       announces: Sequence[Announce | None] | None = None, *, lease_s: float | None = None
                       ) -> tuple[Fill, int]:
         """Join (or open) the fill assembling exactly `keys` from TP shards; returns it and the
@@ -288,7 +288,7 @@ class Runner:
                             owner=SHARD_OWNER)
             return verdict
 
-    def put(self, pool: str, keys: Sequence[str], pages: Sequence[bytes | memoryview],
+    def put(self, pool: str, keys: Sequence[StorageKey], pages: Sequence[bytes | memoryview],
             announces: Sequence[Announce | None] | None = None) -> int:
         """Store whole pages (bytes-like, exactly page_bytes each). Keys already present count as stored."""
         self.pool(pool)
@@ -317,19 +317,19 @@ class Runner:
 
     # --- reads -------------------------------------------------------------------------------
 
-    def lookup(self, pool: str, keys: Sequence[str]) -> int:
+    def lookup(self, pool: str, keys: Sequence[StorageKey]) -> int:
         with self.lock:
             return self.pool(pool).leading_ready(keys)
 
-    def tiers(self, pool: str, keys: Sequence[str]) -> list[int]:
+    def tiers(self, pool: str, keys: Sequence[StorageKey]) -> list[int]:
         """Per key: TIER_ABSENT, TIER_DRAM or TIER_NVME (DRAM wins when a page is in both)."""
         p, disk = self.pool(pool), self.disks.get(pool)
         with self.lock:
             in_dram = [p.get(k) is not None for k in keys]
-            on_disk = [disk is not None and disk.name(k[:64]) in disk.index for k in keys]
+            on_disk = [disk is not None and disk.name(k.page_hex) in disk.index for k in keys]
         return [TIER_DRAM if d else TIER_NVME if n else TIER_ABSENT for d, n in zip(in_dram, on_disk)]
 
-    def claim(self, pool: str, keys: Sequence[str], *, owner: str = "local", lease_s: float | None = None) -> Claim:
+    def claim(self, pool: str, keys: Sequence[StorageKey], *, owner: str = "local", lease_s: float | None = None) -> Claim:
         """Pin the leading present pages; NVMe pages right after the DRAM run are promoted first."""
         self._maybe_promote(pool, keys)
         with self.lock:
@@ -356,7 +356,7 @@ class Runner:
             self.remove(claim.pool.name, moved)
         return result
 
-    def _maybe_promote(self, pool: str, keys: Sequence[str]) -> None:
+    def _maybe_promote(self, pool: str, keys: Sequence[StorageKey]) -> None:
         """Promote the NVMe run that continues the DRAM run; the DRAM run stays pinned meanwhile,
         so making room never evicts the head of the chain being completed."""
         if pool not in self.disks or not self.cfg.nvme.promote:
@@ -371,10 +371,10 @@ class Runner:
             with self.lock:
                 p.unpin(head)
 
-    def promote(self, pool: str, keys: Sequence[str]) -> int:
+    def promote(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Copy the leading run of `keys` found on NVMe into DRAM. Returns pages promoted."""
         disk = self.disks[pool]
-        hexes = [k[:64] for k in keys]
+        hexes = [k.page_hex for k in keys]
         n = disk.present(hexes)
         if not n:
             return 0
@@ -455,18 +455,18 @@ class Runner:
         with self.lock:
             self.num_pulled += pages
 
-    def persist(self, pool: str, keys: Sequence[str]) -> int:
+    def persist(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
         disk = self.disks[pool]
         with self.pinned(pool, keys) as pages:
-            results = disk.write([pg.key[:64] for pg in pages], [self.slot_view(pool, pg) for pg in pages],
+            results = disk.write([pg.key.page_hex for pg in pages], [self.slot_view(pool, pg) for pg in pages],
                                  [pg.announce for pg in pages])
             with self.lock:
                 self.pool(pool).mark_clean([pg.key for pg, ok in zip(pages, results) if ok])
         return sum(results)
 
     @contextmanager
-    def pinned(self, pool: str, keys: Sequence[str]) -> Iterator[list[Page]]:
+    def pinned(self, pool: str, keys: Sequence[StorageKey]) -> Iterator[list[Page]]:
         """Pin the leading present pages (promoting from NVMe) for a local copy, then unpin.
 
         A local copy is bounded by this call, so it takes no lease and no share of the claim limit.
@@ -506,12 +506,12 @@ class Runner:
             pool.unpin(pages)
             self.flush_events()
 
-    def get(self, pool: str, keys: Sequence[str]) -> list[bytes]:
+    def get(self, pool: str, keys: Sequence[StorageKey]) -> list[bytes]:
         """Copies of the leading run of present pages (shorter than `keys` on a miss)."""
         with self.pinned(pool, keys) as pages:
             return [bytes(self.slot_view(pool, p)) for p in pages]
 
-    def read_into(self, pool: str, keys: Sequence[str], buffers: Sequence[memoryview]) -> int:
+    def read_into(self, pool: str, keys: Sequence[StorageKey], buffers: Sequence[memoryview]) -> int:
         """Copy the leading present pages into caller buffers; returns how many were copied."""
         size = self.pool(pool).page_bytes
         short = [i for i, buf in enumerate(buffers) if len(buf) < size]
@@ -550,13 +550,13 @@ class Runner:
 
     # --- inventory ---------------------------------------------------------------------------
 
-    def remove(self, pool: str, keys: Sequence[str]) -> int:
+    def remove(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Drop pages from every tier. Returns pages removed from DRAM plus pages removed from NVMe."""
         with self.lock:
             n = self.pool(pool).remove(keys)
             self.flush_events()
         if pool in self.disks:
-            n += self.disks[pool].remove([k[:64] for k in keys])
+            n += self.disks[pool].remove([k.page_hex for k in keys])
         return n
 
     def clear(self, pool: str) -> int:
@@ -564,7 +564,7 @@ class Runner:
         with self.lock:
             keys = [p.key for p in self.pool(pool).ready_pages()]
             disk = self.disks.get(pool)
-            on_disk = [e.name[:64] for e in disk.index.entries()] if disk is not None else []
+            on_disk = [disk.page_hex(e.name) for e in disk.index.entries()] if disk is not None else []
         n = self.remove(pool, keys)
         return n + (disk.remove(on_disk) if disk is not None else 0)
 

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import re
 import struct
 import threading
 import time
@@ -33,7 +32,7 @@ import xxhash
 
 from ..proto.announce import Announce
 from ..proto.disk_index import DiskEntry, DiskFull, DiskIndex, root_first
-from ..proto.keys import Namespace
+from ..proto.keys import PAGE_HEX_DIGITS, KeyFormatError, Namespace, check_page_hex
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -42,7 +41,6 @@ MANIFEST_LOCK = "manifest.lock"
 FORMAT_FILE = "format.json"
 _RECORD = struct.Struct("<I")
 SCAN_BATCH = 1024
-_PAGE_HEX = re.compile(r"[0-9a-f]{64}")
 VERIFY_MODES = ("first_read", "always", "never")
 
 
@@ -159,6 +157,10 @@ class DiskTier:
 
     def name(self, page_hex: str) -> str:
         return page_hex + self.suffix
+
+    def page_hex(self, name: str) -> str:
+        """The page hash a file name (without `.bin`) carries: name()'s inverse."""
+        return name[:PAGE_HEX_DIGITS]
 
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.bin"
@@ -494,8 +496,14 @@ class DiskTier:
             self.scan_done.set()
 
     def _is_page_name(self, stem: object) -> bool:
-        return (isinstance(stem, str) and stem.endswith(self.suffix) and len(stem) == 64 + len(self.suffix)
-                and _PAGE_HEX.fullmatch(stem[:64]) is not None)
+        if not (isinstance(stem, str) and stem.endswith(self.suffix)
+                and len(stem) == PAGE_HEX_DIGITS + len(self.suffix)):
+            return False
+        try:
+            check_page_hex(self.page_hex(stem))
+        except KeyFormatError:
+            return False
+        return True
 
     def _check_file(self, name: str, expected: int, entry: DiskEntry) -> DiskEntry | None:
         """The entry if its file is whole; a partial or wrong-sized file is removed and counted."""

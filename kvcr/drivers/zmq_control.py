@@ -22,7 +22,7 @@ from ..proto import messages as m
 from ..proto.announce import Announce
 from ..proto.claims import MAX_LEASE_S, ClaimError
 from ..proto.hints import parse_envelope
-from ..proto.keys import hash_str_to_int64
+from ..proto.keys import StorageKey, hash_str_to_int64
 from ..proto.pool import Page, PoolError
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class ControlServer:
 
         if self.runner.puller is None:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
-        keys = [k[:64] for k in self._keys(msg.pool, msg.keys)]
+        keys = [k.page_hex for k in self._keys(msg.pool, msg.keys)]
         source, move = msg.source_endpoint, False
         if not source:  # the source a posted hint names
             hashes = msg.event_hashes or [hash_str_to_int64(k) for k in keys]
@@ -334,7 +334,7 @@ class ControlServer:
         self.runner.post_hint(hint)
         return m.HintPosted(num_hashes=len(hint.block_hashes))
 
-    def _keys(self, pool: str, page_hexes: list) -> list[str]:
+    def _keys(self, pool: str, page_hexes: list) -> list[StorageKey]:
         for page_hex in page_hexes:
             if not isinstance(page_hex, str):
                 raise m.ProtocolError(f"page keys must be hex strings, got {type(page_hex).__name__}")

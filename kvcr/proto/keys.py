@@ -182,14 +182,33 @@ class Namespace:
         return [f"{k}: {mine[k]} != {theirs[k]}" for k in mine if mine[k] != theirs[k]]
 
 
-_PAGE_HEX = re.compile(r"[0-9a-f]{64}")
+PAGE_HEX_DIGITS = 64
+_PAGE_HEX = re.compile(r"[0-9a-f]{%d}" % PAGE_HEX_DIGITS)
 
 
-def storage_key(page_hex: str, namespace_digest: str) -> str:
-    """The runner's key for a page: the engine's page hash within one namespace."""
-    if not _PAGE_HEX.fullmatch(page_hex):
-        raise KeyFormatError(f"page hash must be 64 lowercase hex digits, got {page_hex!r}")
-    return f"{page_hex}.{namespace_digest}"
+class StorageKey(str):
+    """The runner's key for a page: the engine's page hash within one namespace, written
+    `<page hex>.<namespace digest>`. A str, so pools and indexes key by it as they are."""
+
+    __slots__ = ()
+
+    @property
+    def page_hex(self) -> str:
+        return self[:PAGE_HEX_DIGITS]
+
+    @property
+    def namespace_digest(self) -> str:
+        return self[PAGE_HEX_DIGITS + 1:]
+
+
+def check_page_hex(page_hex: object) -> str:
+    if not isinstance(page_hex, str) or not _PAGE_HEX.fullmatch(page_hex):
+        raise KeyFormatError(f"page hash must be {PAGE_HEX_DIGITS} lowercase hex digits, got {page_hex!r}")
+    return page_hex
+
+
+def storage_key(page_hex: str, namespace_digest: str) -> StorageKey:
+    return StorageKey(f"{check_page_hex(page_hex)}.{namespace_digest}")
 
 
 @functools.lru_cache(maxsize=1024)

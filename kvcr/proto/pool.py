@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 from .announce import Announce
 from .events import BlockRemoved, BlockStored, Event
+from .keys import StorageKey
 
 
 class PoolError(Exception):
@@ -74,7 +75,7 @@ IN_FLIGHT = InFlight()
 class Page:
     __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce", "digest", "keep")
 
-    def __init__(self, key: str, slot: int, generation: int, announce: Announce | None) -> None:
+    def __init__(self, key: StorageKey, slot: int, generation: int, announce: Announce | None) -> None:
         self.keep = Keep.NONE
         self.key = key
         self.slot = slot
