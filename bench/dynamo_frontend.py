@@ -35,7 +35,7 @@ from kvcr.dynamo.local import Frontend, Probe, await_registration, dynamo_env, f
 from kvcr.dynamo.model_dir import write_model_dir  # noqa: E402
 from router_hints.core import RouterCore  # noqa: E402
 from router_hints.discovery import from_runner_info  # noqa: E402
-from router_hints.text import TextTokenizer  # noqa: E402
+from kvcr.text import TextTokenizer  # noqa: E402
 
 BLOCK = 16
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "4"]

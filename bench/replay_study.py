@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, publish, table  # noqa: E402
-from kvcr.replay.live import compare  # noqa: E402
-from kvcr.replay.sim import POLICIES, SimConfig, simulate  # noqa: E402
-from kvcr.replay.synth import SynthSpec, write  # noqa: E402
-from kvcr.replay.trace import read_trace  # noqa: E402
+from router_hints.replay.live import compare  # noqa: E402
+from router_hints.replay.sim import POLICIES, SimConfig, simulate  # noqa: E402
+from router_hints.replay.synth import SynthSpec, write  # noqa: E402
+from router_hints.replay.trace import read_trace  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""kvcr command line: serve, info, events tail, selfcheck, demo."""
+"""kvcr command line: serve, info, keys, events tail, selfcheck, worker, dynamo, demo, and the
+commands other packages contribute (router, replay, sglang)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import json
 import logging
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import __version__
 
+COMMANDS_GROUP = "kvcr.commands"
 
-def _parse_set(items: list[str]) -> dict:
+
+def parse_set(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -31,7 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .service import Service
 
     try:
-        cfg = load_config(args.config, _parse_set(args.set))
+        cfg = load_config(args.config, parse_set(args.set))
         service = Service(cfg).start()
     except (ConfigError, RegionError) as exc:
         print(f"kvcr serve: {exc}", file=sys.stderr)
@@ -100,40 +104,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from .worker.launch import run
 
     try:
-        return run(args, _parse_set(args.set))
+        return run(args, parse_set(args.set))
     except (ConfigError, RegionError, DynamoSetupError, OSError) as exc:  # OSError: a port already in use, a missing tokenizer
         print(f"kvcr worker: {exc}", file=sys.stderr)
         return 2
-
-
-def cmd_router(args: argparse.Namespace) -> int:
-    from router_hints.discovery import DiscoveryError
-    from router_hints.http.config import RouterConfigError
-    from router_hints.http.server import run
-
-    try:
-        return run(args.config, _parse_set(args.set), info_file=args.info_file)
-    except (RouterConfigError, DiscoveryError, FileNotFoundError) as exc:
-        print(f"kvcr router: {exc}", file=sys.stderr)
-        return 2
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    from kvcr.replay.main import run
-
-    return run(args)
 
 
 def cmd_demo_driver(args: argparse.Namespace) -> int:
     from .demo.driver import run_process
 
     return run_process(args)
-
-
-def cmd_sglang(args: argparse.Namespace) -> int:
-    from sglang_adapter.launch_server import main as launch
-
-    return launch(args.sglang_args, prog="kvcr sglang")
 
 
 def cmd_dynamo(args: argparse.Namespace) -> int:
@@ -195,17 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("router", help="the reference KV-aware HTTP router (router_hints)")
-    p.add_argument("--config", required=True, help="router config (TOML or JSON)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a router config key")
-    p.add_argument("--info-file", help="write the router's info JSON (url) here once up")
-    p.set_defaults(func=cmd_router)
-
-    p = sub.add_parser("sglang", help="launch SGLang with --hicache-storage-backend kvcr (and kvcr's hooks)",
-                       prefix_chars="\0")  # every argument is SGLang's
-    p.add_argument("sglang_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_sglang)
-
     p = sub.add_parser("dynamo", help="serve an engine with kvcr (SGLang, a kvcr worker) as a Dynamo worker: "
                        "`kvcr dynamo --help` lists the bridge's options", prefix_chars="\0", add_help=False)
     p.add_argument("bridge_args", nargs=argparse.REMAINDER)
@@ -217,18 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo_arguments(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("replay", help="a request trace through simulated workers: kvcr against the alternatives")
-    from kvcr.replay.main import add_arguments as replay_arguments
-
-    replay_arguments(p)
-    p.set_defaults(func=cmd_replay)
-
     p = sub.add_parser("demo-driver", help="the demo's workload driver (kvcr demo starts it)")
     from .demo.driver import add_arguments as driver_arguments
 
     driver_arguments(p)
     p.set_defaults(func=cmd_demo_driver)
+    _add_contributed(sub)
     return parser
+
+
+def _add_contributed(sub: argparse._SubParsersAction) -> None:
+    """Commands the packages above kvcr contribute (`kvcr router` and `kvcr replay` from router_hints,
+    `kvcr sglang` from sglang_adapter), through the `kvcr.commands` entry points: kvcr itself
+    imports none of them."""
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from kvcr.proto import messages as m
 from kvcr.proto.events import EventError, decode_batch, decode_frames
 from kvcr.proto.hints import HintError, build_envelope, parse_envelope
 from router_hints.http.config import RouterConfigError, parse_router_config
-from router_hints.text import RequestError, TextTokenizer, request_tokens
+from kvcr.text import RequestError, TextTokenizer, request_tokens
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # JSON/msgpack-shaped values: what a peer or a client can actually send.

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kvcr.replay.sim import SimConfig, Simulation, simulate
-from kvcr.replay.trace import TraceError, TraceRequest, parse_lines
+from router_hints.replay.sim import SimConfig, Simulation, simulate
+from router_hints.replay.trace import TraceError, TraceRequest, parse_lines
 from tests.conftest import ROOT
 
 BLOCK = 512

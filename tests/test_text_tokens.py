@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from router_hints.text import DEFAULT_TOKENIZER, RequestError, TextTokenizer, request_tokens
+from kvcr.text import DEFAULT_TOKENIZER, RequestError, TextTokenizer, request_tokens
 
 transformers = pytest.importorskip("transformers")
 

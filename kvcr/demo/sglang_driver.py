@@ -81,7 +81,7 @@ class SGLangDriver(Driver):
     def __init__(self, router_url: str, workers: list[str], conversations: list[Conversation], *, max_tokens: int,
                  reference: str, runners: dict[str, str], tokenizer: str, page_size: int,
                  record: Callable[[str, object], None] = lambda kind, v: None) -> None:
-        from router_hints.text import TextTokenizer
+        from ..text import TextTokenizer
 
         # one request at a time: the runner counters read around it are its own, and neither
         # engine batches it with another (batching would change the arithmetic)
@@ -113,7 +113,7 @@ class SGLangDriver(Driver):
                        None, error)
 
     def _send(self, phase: str, step: Step) -> Outcome:
-        from router_hints.text import parse_messages
+        from ..text import parse_messages
 
         messages = self.messages[step.conversation]
         messages.append({"role": "user", "content": step.user})

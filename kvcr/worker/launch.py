@@ -20,7 +20,7 @@ DEFAULT_SPECIAL = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": 
 
 
 def build(args: argparse.Namespace, overrides: dict) -> Worker:
-    from router_hints.text import TextTokenizer
+    from ..text import TextTokenizer
 
     torch.set_num_threads(args.threads)
     tokenizer = TextTokenizer(args.tokenizer)

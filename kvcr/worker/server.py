@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 
-from router_hints.text import RequestError, TextTokenizer, request_tokens
+from ..text import RequestError, TextTokenizer, request_tokens
 
 from ..metrics import RunnerCollector
 from ..proto.hints import FetchHint, HintError, extract_request_hint, parse_envelope

@@ -28,7 +28,7 @@ from ..core import Route, RouterCore
 from ..discovery import DiscoveryError, from_runner_info
 from ..index import Worker
 from ..scoring import Load
-from ..text import RequestError, TextTokenizer, request_tokens
+from kvcr.text import RequestError, TextTokenizer, request_tokens
 from . import front
 from .config import RouterConfig, RouterConfigError, WorkerEntry, load_router_config, parse_worker
 

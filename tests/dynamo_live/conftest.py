@@ -19,7 +19,7 @@ from kvcr.demo.procs import Child
 from kvcr.dynamo import local
 from kvcr.dynamo.local import Etcd, Probe, await_registration, dynamo_env, file_discovery
 from kvcr.dynamo.local import poll as wait_for
-from router_hints.text import TextTokenizer
+from kvcr.text import TextTokenizer
 from tests.cluster import SMALL_MODEL
 from tests.conftest import ROOT
 

@@ -22,7 +22,7 @@ from kvcr.demo.procs import Child
 from kvcr.proto.events import BlockStored
 from kvcr.proto.keys import U64_MASK
 from router_hints.http.front import hint_hashes
-from router_hints.text import TextTokenizer, parse_messages
+from kvcr.text import TextTokenizer, parse_messages
 from sglang_adapter.cpu_harness.model import prompt_text
 from tests.conftest import wait_until
 from tests.sglang_live.conftest import metric
