@@ -77,7 +77,7 @@ def main() -> int:
                     endpoint, [hash_str_to_int64(k) & U64_MASK for k in keys])})
 
                 def runner_pull() -> float:
-                    t = timed(lambda: b.runner.pull_from(endpoint, "kv", keys))
+                    t = timed(lambda: b.pulls.pull_from(endpoint, "kv", keys))
                     b.clear()
                     return t
 
@@ -132,7 +132,7 @@ def main() -> int:
             f"`bench/sglang_adapter.py --repeats {repeats}`, {machine_line()}. Real SGLang 0.5.23 MHA host pools "
             f"(page_first, {args.layers} layers x {HEADS} KV heads x {DIM} dims, bf16, {PAGE}-token pages: "
             f"{args.layers * HEADS * DIM * PAGE * 2 * 2 / 2**20:.2f} MiB per page). GB/s: median (min–max). "
-            "Baseline: `Runner.pull_from` of the same "
+            "Baseline: `PeerPulls.pull_from` of the same "
             "pages into B's DRAM pool (claim, transfer, release). Adapter: `batch_exists` with the hint "
             "(confirm + claim) then `batch_get_v1`, which reads the pages straight into B's host pages "
             "(their K and V segments) with the same transport. Last table: local hits (pages in the "

@@ -148,35 +148,34 @@ class RunnerCollector:
 
     @staticmethod
     def _peers(svc) -> Iterator[Metric]:
-        plane, runner = svc.plane, svc.runner
+        plane = svc.plane
         if plane is None:
             return
+        pulls = svc.pulls.statistics()
         yield GaugeMetricFamily("kvcr_ucx_registered_bytes", "DRAM bytes registered for peers' GETs",
                                 value=plane.registered_bytes)
         yield GaugeMetricFamily("kvcr_ucx_registration_seconds", "Time the region registration took",
                                 value=plane.registration_seconds)
-        yield CounterMetricFamily("kvcr_pulled_pages", "Pages pulled from peers into DRAM", value=runner.num_pulled)
+        yield CounterMetricFamily("kvcr_pulled_pages", "Pages pulled from peers into DRAM", value=pulls.pulled)
         yield CounterMetricFamily("kvcr_ucx_workers_retired",
                                   "Pull workers destroyed after a transfer that did not end in time",
                                   value=plane.num_retired_workers)
         yield CounterMetricFamily("kvcr_pull_uncertain_pages", "Slots quarantined after an uncertain pull",
-                                  value=runner.num_uncertain)
+                                  value=pulls.uncertain)
         yield CounterMetricFamily("kvcr_pull_digest_mismatches", "Pulled pages whose bytes missed their digest",
-                                  value=runner.puller.num_digest_mismatches)
+                                  value=pulls.digest_mismatches)
         yield CounterMetricFamily("kvcr_peer_unreachable", "Claims or info requests a peer did not answer",
-                                  value=runner.puller.reach.num_failures)
+                                  value=pulls.unreachable)
         yield CounterMetricFamily("kvcr_peer_skipped_unreachable",
                                   "Pulls not tried: the source had not answered lately (backing off)",
-                                  value=runner.puller.reach.num_skipped)
+                                  value=pulls.skipped_unreachable)
         yield CounterMetricFamily("kvcr_pull_untrusted_refused", "Pulls refused: the source is not a trusted peer",
-                                  value=runner.puller.num_refused_untrusted)
+                                  value=pulls.refused_untrusted)
         yield CounterMetricFamily("kvcr_control_unauthenticated", "CURVE clients refused",
                                   value=svc.control.num_unauthenticated)
         yield CounterMetricFamily("kvcr_http_unauthorized", "/info requests refused for want of the token",
                                   value=svc.http.num_unauthorized)
-        with runner.lock:
-            hinted = len(runner.hints)
-        yield GaugeMetricFamily("kvcr_hinted_hashes", "Block hashes held from posted hints", value=hinted)
+        yield GaugeMetricFamily("kvcr_hinted_hashes", "Block hashes held from posted hints", value=pulls.hinted_hashes)
 
 
 def make_registry(service) -> CollectorRegistry:

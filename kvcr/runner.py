@@ -6,7 +6,6 @@ are FILLING (invisible) or claimed (pinned), so a half-written page is never vis
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -16,7 +15,7 @@ import uuid
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -25,19 +24,13 @@ from .drivers.nvme import DiskTier
 from .drivers.shm import Region, host_id, region_name
 from .persist import Persister
 from .proto.announce import Announce
-from .proto.claims import Claim, ClaimError, ClaimTable, Fill, Release
+from .proto.claims import Busy, Claim, ClaimError, ClaimTable, Fill, Release
 from .proto.disk_index import DiskIndex
-from .proto.events import AllBlocksCleared, Event, EventError
-from .proto.hintbook import HintBook, HintedSource
-from .proto.hints import FetchHint
+from .proto.events import AllBlocksCleared, Event
 from .proto.keys import Namespace, StorageKey, storage_key
 from .proto.pool import Keep, Page, PagePool, PageSizeError, PoolBusy, PoolError, coalesce_stored
 from .proto.relay import RelayStep
 from .proto.shards import ShardGroups
-
-if TYPE_CHECKING:
-    from .drivers.puller import Confirmation, Puller
-    from .drivers.ucx_plane import UcxPlane
 
 
 log = logging.getLogger(__name__)
@@ -49,6 +42,13 @@ class UnknownPool(PoolError):
 
 TIER_ABSENT, TIER_DRAM, TIER_NVME = 0, 1, 2
 SHARD_OWNER = "shards"  # owns the fills TP ranks assemble together
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    claim: Claim
+    offsets: tuple[int, ...]  # in the region, per claimed page
+    digests: tuple[int, ...]  # commit digests, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +123,7 @@ class Runner:
         self.persister = Persister(self, policy=cfg.nvme.write_policy, batch=cfg.nvme.write_batch)
         if self.disks:
             self.persister.start()
-        self.plane: UcxPlane | None = None  # the UCX data plane, set by the service when peers are served
-        self.puller: Puller | None = None   # set with the plane
-        self.hints = HintBook(ttl_s=cfg.runner.hint_ttl_s, max_hashes=cfg.runner.max_hinted_hashes)
         self.shard_groups = ShardGroups()
-        self.num_pulled = 0
-        self.num_uncertain = 0
         self._publish = publish or (lambda events: 0)
         self.hits = 0
         self.misses = 0
@@ -340,6 +335,24 @@ class Runner:
             self.misses += len(keys) - len(claim.pages)
             return claim
 
+    def grant(self, pool: str, keys: Sequence[StorageKey], *, owner: str, lease_s: float | None = None,
+              digests: bool = False, registered: Callable[[int, int], bool] | None = None) -> Grant:
+        """A peer's claim: the leading present pages pinned, with their region offsets (and commit
+        digests when asked). Pages not yet registered for peers' GETs (`registered`) refuse the
+        whole claim as Busy, a miss the peer retries; a claim that cannot be answered is released."""
+        claim = self.claim(pool, keys, owner=owner, lease_s=lease_s)
+        try:
+            offsets = tuple(self.offset(pool, p.slot) for p in claim.pages)
+            size = self.layouts[pool].page_bytes
+            if registered is not None and not all(registered(o, size) for o in offsets):
+                raise Busy("these pages are not registered for peers yet; retry shortly")
+            sums = tuple(self.page_digest(pool, p) for p in claim.pages) if digests else ()
+            return Grant(claim, offsets, sums)
+        except BaseException:
+            if claim.pages:  # no answer, no claim
+                self.release(claim.claim_id, owner=owner)
+            raise
+
     def renew(self, claim_id: int, *, owner: str = "local") -> Claim:
         with self.lock:
             return self.claims.renew(claim_id, owner=owner, now=self.clock())
@@ -401,59 +414,12 @@ class Runner:
             self.num_promoted += committed
         return next((i for i, good in enumerate(ok) if not good), n)
 
-    def post_hint(self, hint: FetchHint) -> None:
+    def quarantine(self, fill_id: int) -> int:
+        """A fill whose slots a transfer may still write: they are never handed out again."""
         with self.lock:
-            self.hints.post(hint, self.clock())
-
-    def hinted_source(self, event_hashes: Sequence[int]) -> HintedSource | None:
-        with self.lock:
-            return self.hints.source_for(list(event_hashes), self.clock())
-
-    def pull_from(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, move: bool = False) -> int:
-        """Make the leading run of `page_hexes` local, pulling what we lack from the peer at
-        `endpoint` straight into fresh DRAM slots. Returns how many leading pages are now local."""
-        keys = self.keys(pool, page_hexes)
-        with self.lock:
-            have = self.pool(pool).leading_ready(keys)
-        if have == len(keys) or self.puller is None:
-            return have
-        conf = self.puller.confirm(endpoint, pool, page_hexes[have:])
-        if conf is not None:
-            self.take_confirmed(conf, page_hexes[have:], move=move)
-        with self.lock:
-            return self.pool(pool).leading_ready(keys)
-
-    def take_confirmed(self, conf: Confirmation, page_hexes: Sequence[str], *, move: bool = False) -> int:
-        """Pull the pages a source confirmed (claimed for us) for `page_hexes` into fresh DRAM slots
-        and commit them; the claim is released on every path. Returns the leading pages delivered."""
-        keys = self.keys(conf.pool, page_hexes[:conf.num_pages])
-        try:
-            fill = self.reserve(conf.pool, keys, conf.announces(), lease_s=math.inf)
-        except (PoolError, EventError):  # no room, or a source sent announces we cannot use
-            self.puller.release(conf)
-            return 0
-        slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
-        result = None
-        try:
-            result = self.puller.deliver(conf, [self.region_address + self.offset(conf.pool, p.slot) for p in slots],
-                                         move=move)
-        finally:
-            if result is None or result.uncertain:
-                # The transfer may still write into these slots: never hand them out again.
-                with self.lock:
-                    self.num_uncertain += self.claims.quarantine(fill.fill_id, owner="local")
-                    self.flush_events()
-            else:
-                ok = [i < result.delivered for i in range(len(fill.pages))]
-                committed = self.commit(fill.fill_id, ok)
-                with self.lock:
-                    self.num_pulled += committed
-        return result.delivered if result is not None and not result.uncertain else 0
-
-    def count_pulled(self, pages: int) -> None:
-        """Pages a peer delivered that an engine stored here itself (its host pages came first)."""
-        with self.lock:
-            self.num_pulled += pages
+            n = self.claims.quarantine(fill_id, owner="local")
+            self.flush_events()
+        return n
 
     def persist(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
@@ -526,8 +492,6 @@ class Runner:
     def housekeeping(self) -> None:
         """Lease expiry and NVMe watermark eviction (one pass); the persister writes DRAM pages."""
         self.expire()
-        with self.lock:
-            self.hints.expire(self.clock())
         for disk in self.disks.values():
             disk.evict_to_watermark()
         if self.disks and not self.persister.is_alive():

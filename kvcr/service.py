@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -16,7 +17,12 @@ from .drivers.zmq_events import EventPublisher, SeqSource
 from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
+from .pulls import PeerPulls
 from .runner import Runner
+
+if TYPE_CHECKING:
+    from .drivers.puller import Puller
+    from .drivers.ucx_plane import UcxPlane
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +37,16 @@ class Service:
                                         queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir),
                                         heartbeat_s=ev.heartbeat_s)
         self.runner = Runner(cfg, publish=self.publisher.publish)
-        self.plane = None
+        self.plane: UcxPlane | None = None
+        puller = None
         if cfg.runner.ucx:
             from .drivers.ucx_plane import UcxPlane  # loads libucx: only when peers are served
-            from .drivers.puller import Puller
-            from .proto.reach import Reachability
 
             self.plane = UcxPlane(lanes=cfg.runner.pull_lanes, interface=cfg.runner.ucx_interface)
-            self.runner.plane = self.plane
-            trusted = None if "*" in cfg.runner.peers else frozenset(cfg.runner.peers)
-            self.runner.puller = Puller(self.plane, {name: lay.namespace.fields()
-                                                     for name, lay in self.runner.layouts.items()},
-                                        timeout_s=cfg.runner.pull_timeout_s, abandon_s=cfg.runner.pull_abandon_s,
-                                        control_timeout_s=cfg.runner.control_timeout_s,
-                                        reach=Reachability(cfg.runner.unreachable_backoff_s),
-                                        trusted=trusted, curve=cfg.curve(),
-                                        verify_transfer_bytes=cfg.page_digests,
-                                        transport=cfg.runner.transfer, copy_threads=cfg.runner.copy_threads,
-                                        page_bytes={n: lay.page_bytes for n, lay in self.runner.layouts.items()})
-        self.control = ControlServer(self.ctx, self.runner, endpoint=cfg.runner.control_endpoint, info=self.info,
+            puller = self._puller(self.plane)
+        self.pulls = PeerPulls(self.runner, puller)
+        self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane,
+                                     endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot, curve=cfg.curve())
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
@@ -58,10 +55,23 @@ class Service:
         self.stopped = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)
 
+    def _puller(self, plane: UcxPlane) -> Puller:
+        from .drivers.puller import Puller  # with the plane: loads libucx
+        from .proto.reach import Reachability
+
+        r, layouts = self.cfg.runner, self.runner.layouts
+        return Puller(plane, {name: lay.namespace.fields() for name, lay in layouts.items()},
+                      timeout_s=r.pull_timeout_s, abandon_s=r.pull_abandon_s, control_timeout_s=r.control_timeout_s,
+                      reach=Reachability(r.unreachable_backoff_s),
+                      trusted=None if "*" in r.peers else frozenset(r.peers), curve=self.cfg.curve(),
+                      verify_transfer_bytes=self.cfg.page_digests, transport=r.transfer,
+                      copy_threads=r.copy_threads, page_bytes={n: lay.page_bytes for n, lay in layouts.items()})
+
     def _housekeeping(self) -> None:
         while not self.stopped.wait(0.05):
             try:
                 self.runner.housekeeping()
+                self.pulls.housekeeping()
             except Exception:  # a failed pass is logged and retried; it must not stop leases expiring
                 log.exception("housekeeping pass failed")
 
@@ -138,8 +148,8 @@ class Service:
         if self.runner.disks:  # nothing commits now; /metrics shows the flush while it runs
             self.runner.flush_to_nvme()
         self.http.stop()
+        self.pulls.close()
         if self.plane is not None:
-            self.runner.puller.close()
             self.plane.close()
         self.runner.shutdown()  # publishes the removals before the publisher drains and closes
         self.publisher.stop()

@@ -32,7 +32,8 @@ from kvcr.proto.announce import Announce
 from kvcr.proto.events import EventError
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 from kvcr.proto.pool import Page, PoolError
-from kvcr.runner import TIER_ABSENT
+from kvcr.pulls import PeerPulls
+from kvcr.runner import TIER_ABSENT, Runner
 from kvcr.service import Service
 
 from . import hooks
@@ -124,8 +125,8 @@ class KVCRStorage(HiCacheStorage):
                 if not self.layouts:
                     raise RuntimeError("kvcr: no host pool with page buffers was registered")
                 self.service = Service(self._runner_config()).start()
-                if self.service.runner.puller is not None:  # claims we take outlive an uncollected prefetch
-                    self.service.runner.puller.lease_s = self.cfg.claim_lease_s
+                if self.service.pulls.puller is not None:  # claims we take outlive an uncollected prefetch
+                    self.service.pulls.puller.lease_s = self.cfg.claim_lease_s
                 if self.cfg.peers and self.cfg.opportunistic:
                     self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint,
                                               self.service.cfg.curve()).start()
@@ -156,8 +157,12 @@ class KVCRStorage(HiCacheStorage):
         return [{"name": name, "page_bytes": lay.bytes} for name, lay in self.layouts.items()]
 
     @property
-    def runner(self):
+    def runner(self) -> Runner:
         return (self.service or self._start()).runner
+
+    @property
+    def pulls(self) -> PeerPulls:
+        return (self.service or self._start()).pulls
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -168,7 +173,7 @@ class KVCRStorage(HiCacheStorage):
         self._expire_pending()
         tiers = self.runner.tiers(POOL, self._keys(keys))
         local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
-        if local == len(keys) or self.runner.puller is None:
+        if local == len(keys) or self.pulls.puller is None:
             return local
         owner = hooks.current_request()
         self._pending.started(owner)
@@ -186,7 +191,7 @@ class KVCRStorage(HiCacheStorage):
         while got < end:
             stop = min(end, (got // STORAGE_BATCH_SIZE + 1) * STORAGE_BATCH_SIZE)
             try:
-                conf = self.runner.puller.confirm(endpoint, POOL, keys[got:stop])
+                conf = self.pulls.puller.confirm(endpoint, POOL, keys[got:stop])
             except PeerError as exc:  # untrusted, or a namespace mismatch: nothing to load from it
                 log.warning("kvcr: %s", exc)
                 conf = None
@@ -211,7 +216,7 @@ class KVCRStorage(HiCacheStorage):
             if source is not None:
                 return source
         if self.cfg.use_posted_hints:
-            posted = self.runner.hinted_source(events)
+            posted = self.pulls.hinted_source(events)
             if posted is not None:
                 return posted.endpoint, posted.num_pages
         if self.peer_feed is not None:  # no hint: whoever announced the pages on its event stream
@@ -222,7 +227,7 @@ class KVCRStorage(HiCacheStorage):
         for p in pending:
             # Not waited for: the caller (the scheduler's prefetch-ended hook) must not wait on a
             # source's socket held by a transfer in flight; the puller's sender sends it.
-            self.runner.puller.release(p.conf, wait=False)
+            self.pulls.puller.release(p.conf, wait=False)
 
     def _expire_pending(self) -> None:
         """Give back claims SGLang never collected (a prefetch that ended or was revoked)."""
@@ -239,7 +244,7 @@ class KVCRStorage(HiCacheStorage):
         """Byte-copy reads: pull what batch_exists confirmed for these keys into the runner."""
         pos = self.runner.lookup(POOL, self._keys(keys))
         while pos < len(keys) and (p := self._pending.take(keys, pos)) is not None:
-            got = self.runner.take_confirmed(p.conf, p.page_hexes)
+            got = self.pulls.take_confirmed(p.conf, p.page_hexes)
             self._count_peer(got)
             if got < len(p.page_hexes):
                 break
@@ -281,7 +286,7 @@ class KVCRStorage(HiCacheStorage):
                 return
             self._keep_pulled(keys[first:first + count], segments[first:first + count], announces)
 
-        delivered = deliver_confirmed(self.runner.puller, self._pending, keys, segments, n,
+        delivered = deliver_confirmed(self.pulls.puller, self._pending, keys, segments, n,
                                       self.layouts[POOL].segment_bytes, on_delivered=keep)
         self._count_peer(delivered)
         return delivered
@@ -291,7 +296,7 @@ class KVCRStorage(HiCacheStorage):
         computed): stored with the source's announces, in chain order, so our stream stays whole
         and the next request hits here."""
         if self._store(POOL, keys, segments, announces):
-            self.runner.count_pulled(len(keys))
+            self.pulls.count_pulled(len(keys))
 
     def _write(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool,
                announces: list[Announce] | None = None) -> list[bool]:

@@ -11,7 +11,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import zmq
 import zmq.utils.z85
@@ -22,8 +22,15 @@ from ..proto import messages as m
 from ..proto.announce import Announce
 from ..proto.claims import MAX_LEASE_S, ClaimError
 from ..proto.hints import parse_envelope
-from ..proto.keys import StorageKey, hash_str_to_int64
+from ..proto.control import Lane, lane_for
+from ..proto.keys import StorageKey
 from ..proto.pool import Page, PoolError
+from ..proto.pull import NoPuller, PeerError
+
+if TYPE_CHECKING:
+    from ..pulls import PeerPulls
+    from ..runner import Runner
+    from .ucx_plane import UcxPlane
 
 log = logging.getLogger(__name__)
 SNAPSHOT_CHUNK = 4096
@@ -31,9 +38,6 @@ SNAPSHOT_CHUNK = 4096
 MAX_PID = 1 << 22  # Linux pid_max ceiling
 OFFSET_PRESENT = -1    # Reserved.offsets: the page is stored already
 OFFSET_IN_FLIGHT = -2  # Reserved.offsets: another writer is storing it (it may still fail)
-
-
-SLOW = (m.Pull, m.Persist)
 
 
 def _owner(ident: bytes) -> str:
@@ -48,13 +52,16 @@ def _check_lease(lease_s: float) -> None:
 
 
 class ControlServer:
-    def __init__(self, ctx: zmq.Context, runner, *, endpoint: str, info: Callable[[], dict],
-                 snapshot: Callable[[], tuple[int, list]], curve: CurveKeys | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, runner: Runner, pulls: PeerPulls, plane: UcxPlane | None, *, endpoint: str,
+                 info: Callable[[], dict], snapshot: Callable[[], tuple[int, list]],
+                 curve: CurveKeys | None = None) -> None:
         self._curve = curve
         self._auth: ThreadAuthenticator | None = None
         self.num_unauthenticated = 0
         self._ctx = ctx
         self.runner = runner
+        self.pulls = pulls
+        self.plane = plane
         self._endpoint = endpoint
         self._info = info
         self._snapshot = snapshot
@@ -158,12 +165,10 @@ class ControlServer:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
-            if type(msg) in SLOW:
-                self._slow.submit(self._answer_later, route, request_id, handler, msg)
-                return
-            if isinstance(msg, m.SendPages) or (isinstance(msg, m.ClaimRequest)
-                                                and (msg.digests or msg.pool in self.runner.disks)):
-                self._serving.submit(self._answer_later, route, request_id, handler, msg)  # copies or disk reads
+            lane = lane_for(msg, self.runner.disks)
+            if lane is not Lane.INLINE:
+                pool = self._slow if lane is Lane.SLOW else self._serving
+                pool.submit(self._answer_later, route, request_id, handler, msg)
                 return
             reply = handler(msg, _owner(ident))
         except Exception as exc:
@@ -218,22 +223,14 @@ class ControlServer:
         return m.Removed(num_removed=self.runner.remove(msg.pool, self._keys(msg.pool, msg.keys)))
 
     def _on_pull(self, msg: m.Pull, owner: str) -> m.Message:
-        from ..proto.pull import PeerError
-
-        if self.runner.puller is None:
-            raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
-        keys = [k.page_hex for k in self._keys(msg.pool, msg.keys)]
-        source, move = msg.source_endpoint, False
-        if not source:  # the source a posted hint names
-            hashes = msg.event_hashes or [hash_str_to_int64(k) for k in keys]
-            hinted = self.runner.hinted_source(hashes)
-            if hinted is None:
-                return m.Pulled(num_local=self.runner.lookup(msg.pool, self._keys(msg.pool, keys)))
-            source, move, keys = hinted.endpoint, hinted.mode == "move", keys[:hinted.num_pages]
         try:
-            return m.Pulled(num_local=self.runner.pull_from(source, msg.pool, keys, move=move))
+            num_local = self.pulls.pull_requested(msg.pool, [k.page_hex for k in self._keys(msg.pool, msg.keys)],
+                                                  source=msg.source_endpoint, event_hashes=msg.event_hashes)
+        except NoPuller as exc:
+            raise m.ProtocolError(str(exc), code="no_ucx") from None
         except PeerError as exc:
             raise m.ProtocolError(str(exc), code="peer") from None
+        return m.Pulled(num_local=num_local)
 
     def _on_persist(self, msg: m.Persist, owner: str) -> m.Message:
         if msg.pool not in self.runner.disks:
@@ -275,21 +272,14 @@ class ControlServer:
     def _on_claim(self, msg: m.ClaimRequest, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
         self._check_namespace(msg.pool, msg.namespace)
-        claim = self.runner.claim(msg.pool, self._keys(msg.pool, msg.keys), owner=owner,
-                                  lease_s=msg.lease_s or None)
-        try:
-            offsets = [self.runner.offset(msg.pool, p.slot) for p in claim.pages]
-            plane, size = self.runner.plane, self.runner.layouts[msg.pool].page_bytes
-            if plane is not None and not all(plane.registered(o, size) for o in offsets):
-                raise m.ProtocolError("these pages are not registered for peers yet; retry shortly", code="Busy")
-            digests = [self.runner.page_digest(msg.pool, p) for p in claim.pages] if msg.digests else []
-            return m.Granted(claim_id=claim.claim_id, offsets=offsets, generations=[p.generation for p in claim.pages],
-                             lease_s=claim.lease_s, digests=digests,
-                             announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])
-        except BaseException:
-            if claim.pages:  # no reply, no claim
-                self.runner.release(claim.claim_id, owner=owner)
-            raise
+        registered = self.plane.registered if self.plane is not None else None
+        grant = self.runner.grant(msg.pool, self._keys(msg.pool, msg.keys), owner=owner, lease_s=msg.lease_s or None,
+                                  digests=msg.digests, registered=registered)
+        claim = grant.claim
+        return m.Granted(claim_id=claim.claim_id, offsets=list(grant.offsets),
+                         generations=[p.generation for p in claim.pages], lease_s=claim.lease_s,
+                         digests=list(grant.digests),
+                         announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])
 
     def _check_namespace(self, pool: str, theirs: dict) -> None:
         """Same page hash, other namespace = other bytes: refuse, naming both values."""
@@ -309,7 +299,7 @@ class ControlServer:
 
     def _on_send_pages(self, msg: m.SendPages, owner: str) -> m.Message:
         """Two-sided fallback: send claimed pages, and nothing else, to the puller's worker."""
-        plane = self.runner.plane
+        plane = self.plane
         if plane is None:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
         if not all(isinstance(op, list) and len(op) == 3 and all(isinstance(x, int) for x in op) for op in msg.ops):
@@ -331,7 +321,7 @@ class ControlServer:
 
     def _on_post_hint(self, msg: m.PostHint, owner: str) -> m.Message:
         hint = parse_envelope(msg.envelope, allow_move=True)  # HintError names the problem
-        self.runner.post_hint(hint)
+        self.pulls.post_hint(hint)
         return m.HintPosted(num_hashes=len(hint.block_hashes))
 
     def _keys(self, pool: str, page_hexes: list) -> list[StorageKey]:

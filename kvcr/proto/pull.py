@@ -112,6 +112,10 @@ class PeerError(RuntimeError):
     """A peer that cannot serve pulls (no UCX, incompatible protocol, refused namespace...)."""
 
 
+class NoPuller(RuntimeError):
+    """This runner pulls from no peer (runner.ucx = false)."""
+
+
 class PullStateError(RuntimeError):
     """An event the pull cannot take in its state (a driver bug, never a peer's doing)."""
 

@@ -16,6 +16,7 @@ from ..proto.announce import Announce, announce_request
 from ..proto.hints import FetchHint
 from ..proto.keys import U64_MASK, page_hashes
 from ..proto.pool import PoolError
+from ..pulls import PeerPulls
 from ..runner import TIER_DRAM, TIER_NVME, Runner
 from .model import KV, TinyLM, pack_pages, unpack_pages
 
@@ -89,9 +90,10 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: TinyLM, runner: Runner, page_size: int) -> None:
+    def __init__(self, model: TinyLM, runner: Runner, pulls: PeerPulls, page_size: int) -> None:
         self.model = model
         self.runner = runner
+        self.pulls = pulls
         self.page_size = page_size
         self.stats = EngineStats()
         self._s_per_token = 0.0  # EWMA of prefill seconds per computed token, for "time saved"
@@ -105,12 +107,12 @@ class Engine:
                          min(len(events), len(hint.block_hashes)))
             endpoint = hint.source_control_endpoint
         else:
-            posted = self.runner.hinted_source(events)
+            posted = self.pulls.hinted_source(events)
             depth, endpoint = (posted.num_pages, posted.endpoint) if posted is not None else (0, "")
         if depth <= have:
             return have, None
         try:
-            return self.runner.pull_from(endpoint, POOL, hexes[:depth]), endpoint
+            return self.pulls.pull_from(endpoint, POOL, hexes[:depth]), endpoint
         except PeerError as exc:  # an untrusted source, or another model's pages: compute instead
             log.warning("hint ignored: %s", exc)
             with self.stats.lock:

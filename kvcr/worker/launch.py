@@ -34,7 +34,7 @@ def build(args: argparse.Namespace, overrides: dict) -> Worker:
     cfg = load_config(args.config, {"runner.name": args.name, "runner.peers": ["*"], **overrides, **forced})
     service = Service(cfg).start()
     try:
-        engine = Engine(TinyLM(model_cfg), service.runner, args.page_size)
+        engine = Engine(TinyLM(model_cfg), service.runner, service.pulls, args.page_size)
         return Worker(service, engine, tokenizer, model_name)
     except BaseException:
         service.stop()

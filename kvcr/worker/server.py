@@ -140,7 +140,8 @@ class Worker:
         with runner.lock:
             pool = runner.pools[POOL].statistics()
             disk = runner.disks[POOL].index.statistics() if POOL in runner.disks else None
-            pulled, spilled, promoted = runner.num_pulled, runner.num_spilled, runner.num_promoted
+            spilled, promoted = runner.num_spilled, runner.num_promoted
+        pulled = self.service.pulls.statistics().pulled
         return {"dram_pages": pool.num_ready, "dram_capacity": pool.capacity,
                 "nvme_pages": disk.num_pages if disk is not None else 0, "page_bytes": pool.page_bytes,
                 "pulled_pages": pulled, "spilled_pages": spilled, "promoted_pages": promoted,

@@ -1,0 +1,132 @@
+"""A runner's peer pulls, destination side: the hints posted to it and pulls into fresh DRAM slots.
+
+The runner owns DRAM residency; this owns what comes from peers. A pull itself is decided by
+`kvcr/proto/pull.py` and performed by the puller; here its pages get slots, are committed when
+delivered, and are quarantined when the transfer was uncertain.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from .proto.events import EventError
+from .proto.hintbook import HintBook, HintedSource
+from .proto.hints import FetchHint
+from .proto.keys import hash_str_to_int64
+from .proto.pool import Page, PoolError
+from .proto.pull import NoPuller
+from .runner import Runner
+
+if TYPE_CHECKING:
+    from .drivers.puller import Confirmation, Puller
+
+
+@dataclass(frozen=True, slots=True)
+class PullStatistics:
+    pulled: int               # pages peers delivered into DRAM (or an engine's host pages)
+    uncertain: int            # slots quarantined after an uncertain transfer
+    digest_mismatches: int
+    unreachable: int          # claims or info requests a peer did not answer
+    skipped_unreachable: int  # pulls not tried: the source was backing off
+    refused_untrusted: int
+    hinted_hashes: int        # block hashes held from posted hints
+
+
+class PeerPulls:
+    def __init__(self, runner: Runner, puller: Puller | None) -> None:
+        self.runner = runner
+        self.puller = puller
+        cfg = runner.cfg.runner
+        self._hints = HintBook(ttl_s=cfg.hint_ttl_s, max_hashes=cfg.max_hinted_hashes)
+        self._lock = threading.Lock()  # the hint book and the counters
+        self._pulled = 0
+        self._uncertain = 0
+
+    # --- hints ------------------------------------------------------------------------------------
+
+    def post_hint(self, hint: FetchHint) -> None:
+        with self._lock:
+            self._hints.post(hint, self.runner.clock())
+
+    def hinted_source(self, event_hashes: Sequence[int]) -> HintedSource | None:
+        with self._lock:
+            return self._hints.source_for(list(event_hashes), self.runner.clock())
+
+    def housekeeping(self) -> None:
+        with self._lock:
+            self._hints.expire(self.runner.clock())
+
+    # --- pulls ------------------------------------------------------------------------------------
+
+    def pull_requested(self, pool: str, page_hexes: Sequence[str], *, source: str = "",
+                       event_hashes: Sequence[int] = ()) -> int:
+        """The control op `pull`: from `source`, else from the source a posted hint names (moving
+        the pages when the hint says so). Returns how many leading pages are now local."""
+        if self.puller is None:
+            raise NoPuller("this runner has no UCX data plane (runner.ucx = false)")
+        move = False
+        if not source:
+            hinted = self.hinted_source(event_hashes or [hash_str_to_int64(h) for h in page_hexes])
+            if hinted is None:
+                return self.runner.lookup(pool, self.runner.keys(pool, page_hexes))
+            source, move, page_hexes = hinted.endpoint, hinted.mode == "move", page_hexes[:hinted.num_pages]
+        return self.pull_from(source, pool, page_hexes, move=move)
+
+    def pull_from(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, move: bool = False) -> int:
+        """Make the leading run of `page_hexes` local, pulling what we lack from the peer at
+        `endpoint` straight into fresh DRAM slots. Returns how many leading pages are now local."""
+        runner = self.runner
+        keys = runner.keys(pool, page_hexes)
+        have = runner.lookup(pool, keys)
+        if have == len(keys) or self.puller is None:
+            return have
+        conf = self.puller.confirm(endpoint, pool, page_hexes[have:])
+        if conf is not None:
+            self.take_confirmed(conf, page_hexes[have:], move=move)
+        return runner.lookup(pool, keys)
+
+    def take_confirmed(self, conf: Confirmation, page_hexes: Sequence[str], *, move: bool = False) -> int:
+        """Pull the pages a source confirmed (claimed for us) for `page_hexes` into fresh DRAM slots
+        and commit them; the claim ends on every path. Returns the leading pages delivered."""
+        runner = self.runner
+        keys = runner.keys(conf.pool, page_hexes[:conf.num_pages])
+        try:
+            fill = runner.reserve(conf.pool, keys, conf.announces(), lease_s=math.inf)
+        except (PoolError, EventError):  # no room, or a source sent announces we cannot use
+            self.puller.release(conf)
+            return 0
+        slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
+        result = None
+        try:
+            result = self.puller.deliver(conf, [runner.region_address + runner.offset(conf.pool, p.slot)
+                                                for p in slots], move=move)
+        finally:
+            if result is None or result.uncertain:
+                # The transfer may still write into these slots: never hand them out again.
+                quarantined = runner.quarantine(fill.fill_id)
+                with self._lock:
+                    self._uncertain += quarantined
+            else:
+                committed = runner.commit(fill.fill_id, [i < result.delivered for i in range(len(fill.pages))])
+                self.count_pulled(committed)
+        return result.delivered if result is not None and not result.uncertain else 0
+
+    def count_pulled(self, pages: int) -> None:
+        """Pages a peer delivered (into DRAM, or into an engine's host pages it then stored here)."""
+        with self._lock:
+            self._pulled += pages
+
+    def statistics(self) -> PullStatistics:
+        p = self.puller
+        with self._lock:
+            return PullStatistics(self._pulled, self._uncertain, p.num_digest_mismatches if p else 0,
+                                  p.reach.num_failures if p else 0, p.reach.num_skipped if p else 0,
+                                  p.num_refused_untrusted if p else 0, len(self._hints))
+
+    def close(self) -> None:
+        if self.puller is not None:
+            self.puller.close()
