@@ -25,31 +25,28 @@ class RunnerCollector:
         nbytes = GaugeMetricFamily("kvcr_bytes", "Bytes of ready pages by pool and tier", labels=["pool", "tier"])
         capacity = GaugeMetricFamily("kvcr_capacity_pages", "Slots per pool", labels=["pool", "tier"])
         evictions = CounterMetricFamily("kvcr_evictions", "Pages evicted for room", labels=["pool", "tier"])
-        with runner.lock:
-            stats = [p.statistics() for p in runner.pools.values()]
-            evicted = {p.name: p.num_evicted for p in runner.pools.values()}
-            claim_stats = runner.claims.statistics()
-            hits, misses = runner.hits, runner.misses
-        for s in stats:
+        stats = runner.statistics()
+        for t in stats.tiers:
+            s = t.dram
             for state, n in (("free", s.num_free), ("filling", s.num_filling), ("ready", s.num_ready),
                              ("discarding", s.num_discarding), ("claimed", s.num_claimed),
                              ("quarantined", s.num_quarantined), ("dirty", s.num_dirty)):
                 pages.add_metric([s.name, "dram", state], n)
             nbytes.add_metric([s.name, "dram"], s.num_ready * s.page_bytes)
             capacity.add_metric([s.name, "dram"], s.capacity)
-            evictions.add_metric([s.name, "dram"], evicted[s.name])
-        for name, disk in runner.disks.items():
-            with runner.lock:
-                d = disk.index.statistics()
-            pages.add_metric([name, "nvme", "ready"], d.num_pages)
-            pages.add_metric([name, "nvme", "writing"], d.num_writing)
-            nbytes.add_metric([name, "nvme"], d.num_bytes)
-            evictions.add_metric([name, "nvme"], d.num_evicted)
+            evictions.add_metric([s.name, "dram"], t.evicted)
+            if t.nvme is not None:
+                d = t.nvme
+                pages.add_metric([s.name, "nvme", "ready"], d.num_pages)
+                pages.add_metric([s.name, "nvme", "writing"], d.num_writing)
+                nbytes.add_metric([s.name, "nvme"], d.num_bytes)
+                evictions.add_metric([s.name, "nvme"], d.num_evicted)
         yield from (pages, nbytes, capacity, evictions)
-        yield from self._nvme(runner)
-        yield from self._persist(runner)
-        yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=hits)
-        yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=misses)
+        yield from self._nvme(runner, stats)
+        yield from self._persist(runner, stats)
+        claim_stats = stats.claims
+        yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=stats.hits)
+        yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=stats.misses)
         yield GaugeMetricFamily("kvcr_claims_held", "Claims currently pinning pages", value=claim_stats.num_claims)
         yield GaugeMetricFamily("kvcr_fills_held", "Fill reservations in progress", value=claim_stats.num_fills)
         yield CounterMetricFamily("kvcr_claims_expired", "Claims ended by lease expiry",
@@ -79,7 +76,7 @@ class RunnerCollector:
 
 
     @staticmethod
-    def _nvme(runner) -> Iterator[Metric]:
+    def _nvme(runner, stats) -> Iterator[Metric]:
         if not runner.disks:
             return
         corrupt = CounterMetricFamily("kvcr_nvme_corrupt", "Truncated or corrupt page files removed", labels=["pool"])
@@ -91,8 +88,7 @@ class RunnerCollector:
         latency = {op: HistogramMetricFamily(f"kvcr_nvme_{op}_seconds", f"Page {op} latency", labels=["pool"])
                    for op in ("read", "write")}
         for name, disk in runner.disks.items():
-            with runner.lock:
-                d = disk.index.statistics()
+            d = stats.tier(name).nvme
             corrupt.add_metric([name], d.num_corrupt)
             unverified.add_metric([name], d.num_unverified)
             foreign.add_metric([name], disk.num_foreign)
@@ -106,13 +102,13 @@ class RunnerCollector:
                 latency[op].add_metric([name], buckets, hist.total)
         yield from (corrupt, unverified, foreign, errors, *latency.values())
         yield CounterMetricFamily("kvcr_spilled_pages", "DRAM pages written to NVMe (write-behind or spill)",
-                                  value=runner.num_spilled)
+                                  value=stats.spilled)
         yield CounterMetricFamily("kvcr_promoted_pages", "NVMe pages copied into DRAM to be served",
-                                  value=runner.num_promoted)
+                                  value=stats.promoted)
 
 
     @staticmethod
-    def _persist(runner) -> Iterator[Metric]:
+    def _persist(runner, stats) -> Iterator[Metric]:
         dropped = CounterMetricFamily("kvcr_pages_dropped", "Pages a tier let go that no tier below kept, by reason",
                                       labels=["pool", "tier", "reason"])
         queue = GaugeMetricFamily("kvcr_write_behind_queue", "Dirty pages waiting for the NVMe writer",
@@ -120,16 +116,13 @@ class RunnerCollector:
         lag = GaugeMetricFamily("kvcr_write_behind_lag_seconds", "Age of the oldest dirty page waiting (0: none)",
                                 labels=["pool"])
         p = runner.persister
-        with runner.lock:
-            now = runner.clock()
-            for (pool, tier, reason), n in sorted(runner.dropped().items()):
-                dropped.add_metric([pool, tier, reason], n)
-            for name in runner.disks:
-                pool = runner.pools[name]
-                queue.add_metric([name], pool.num_dirty)
-                since = pool.oldest_dirty_since()
-                lag.add_metric([name], 0.0 if since is None else max(0.0, now - since))
-            waits, waited, flush = runner.num_fill_waits, runner.fill_wait_s, runner.shutdown_flush
+        for (pool, tier, reason), n in stats.dropped:
+            dropped.add_metric([pool, tier, reason], n)
+        for t in stats.tiers:
+            if t.nvme is not None:
+                queue.add_metric([t.dram.name], t.write_behind_queue)
+                lag.add_metric([t.dram.name], t.write_behind_lag_s)
+        waits, waited, flush = stats.fill_waits, stats.fill_wait_s, stats.shutdown_flush
         yield from (dropped, queue, lag)
         yield CounterMetricFamily("kvcr_nvme_writes_skipped", "Dirty pages already on NVMe (not rewritten)",
                                   value=p.num_skipped)

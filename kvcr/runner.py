@@ -24,11 +24,11 @@ from .drivers.nvme import DiskTier
 from .drivers.shm import Region, host_id, region_name
 from .persist import Persister
 from .proto.announce import Announce
-from .proto.claims import Busy, Claim, ClaimError, ClaimTable, Fill, Release
-from .proto.disk_index import DiskIndex
+from .proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill, Release
+from .proto.disk_index import DiskIndex, DiskStats
 from .proto.events import AllBlocksCleared, Event
 from .proto.keys import Namespace, StorageKey, storage_key
-from .proto.pool import Keep, Page, PagePool, PageSizeError, PoolBusy, PoolError, coalesce_stored
+from .proto.pool import Keep, Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
 from .proto.relay import RelayStep
 from .proto.shards import ShardGroups
 
@@ -42,6 +42,36 @@ class UnknownPool(PoolError):
 
 TIER_ABSENT, TIER_DRAM, TIER_NVME = 0, 1, 2
 SHARD_OWNER = "shards"  # owns the fills TP ranks assemble together
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatistics:
+    """One pool's tiers at one moment."""
+
+    dram: PoolStats
+    evicted: int                 # DRAM pages evicted for room
+    nvme: DiskStats | None       # None: no NVMe tier
+    write_behind_queue: int      # dirty pages waiting for the NVMe writer
+    write_behind_lag_s: float    # age of the oldest of them (0: none)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerStatistics:
+    """Everything the runner counts, taken under its lock in one go (metrics, the worker's view)."""
+
+    tiers: tuple[TierStatistics, ...]
+    claims: ClaimStats
+    hits: int
+    misses: int
+    spilled: int
+    promoted: int
+    dropped: tuple[tuple[tuple[str, str, str], int], ...]  # ((pool, tier, reason), pages), sorted
+    fill_waits: int
+    fill_wait_s: float
+    shutdown_flush: tuple[float, int, int] | None  # seconds, pages written, pages left
+
+    def tier(self, pool: str) -> TierStatistics:
+        return next(t for t in self.tiers if t.dram.name == pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +528,21 @@ class Runner:
             log.error("the NVMe persister thread is gone; restarting it")
             self.persister = Persister(self, policy=self.cfg.nvme.write_policy,
                                        batch=self.cfg.nvme.write_batch).start()
+
+    def statistics(self) -> RunnerStatistics:
+        with self.lock:
+            now = self.clock()
+            tiers = tuple(self._tier_statistics(name, pool, now) for name, pool in self.pools.items())
+            return RunnerStatistics(tiers, self.claims.statistics(), self.hits, self.misses, self.num_spilled,
+                                    self.num_promoted, tuple(sorted(self.dropped().items())), self.num_fill_waits,
+                                    self.fill_wait_s, self.shutdown_flush)
+
+    def _tier_statistics(self, name: str, pool: PagePool, now: float) -> TierStatistics:
+        disk = self.disks.get(name)
+        since = pool.oldest_dirty_since() if disk is not None else None
+        return TierStatistics(pool.statistics(), pool.num_evicted, disk.index.statistics() if disk else None,
+                              pool.num_dirty if disk is not None else 0,
+                              0.0 if since is None else max(0.0, now - since))
 
     @property
     def num_spilled(self) -> int:

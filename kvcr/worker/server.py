@@ -136,15 +136,13 @@ class Worker:
 
     def tiers(self) -> dict:
         """Pages held per tier and the runner's own counters (for the demo's live view)."""
-        runner = self.service.runner
-        with runner.lock:
-            pool = runner.pools[POOL].statistics()
-            disk = runner.disks[POOL].index.statistics() if POOL in runner.disks else None
-            spilled, promoted = runner.num_spilled, runner.num_promoted
-        pulled = self.service.pulls.statistics().pulled
+        stats = self.service.runner.statistics()
+        tier = stats.tier(POOL)
+        pool, disk = tier.dram, tier.nvme
         return {"dram_pages": pool.num_ready, "dram_capacity": pool.capacity,
                 "nvme_pages": disk.num_pages if disk is not None else 0, "page_bytes": pool.page_bytes,
-                "pulled_pages": pulled, "spilled_pages": spilled, "promoted_pages": promoted,
+                "pulled_pages": self.service.pulls.statistics().pulled, "spilled_pages": stats.spilled,
+                "promoted_pages": stats.promoted,
                 "events": self.service.publisher.num_events}
 
     async def health(self, request: web.Request) -> web.Response:
