@@ -5,7 +5,7 @@ import pytest
 from kvcr.proto import messages as m
 from kvcr.proto.pull import (MISS, BackOff, ClaimAgain, DigestMismatch, Finish, ForgetSource, Pull, PullResult,
                              PullState, PullStateError, PullTerms, Refuse, SendRelease, SourceTerms, Transfer,
-                             late_grant_release)
+                             choose_transport, late_grant_release)
 
 PAGE = 4096
 INCARNATION = "src-1"
@@ -219,3 +219,12 @@ def test_cancel_gives_the_claim_back_once_and_ends_the_pull(held):
     assert pull.cancel() == [] and pull.state is PullState.DONE
     with pytest.raises(PullStateError):
         pull.plan(destinations(), (PAGE,))
+
+
+@pytest.mark.parametrize("requested, same_host, chosen", [
+    ("auto", True, "shm"), ("auto", False, "get"), ("get", True, "get"), ("tag", True, "tag"), ("shm", False, "shm"),
+])
+def test_auto_copies_on_the_same_host_and_asks_the_host_only_then(requested, same_host, chosen):
+    asked = []
+    assert choose_transport(requested, lambda: asked.append(1) or same_host) == chosen
+    assert bool(asked) == (requested == "auto")

@@ -189,7 +189,7 @@ class Puller:
                 log.info("claim at %s: %s", endpoint, outcome.error)
             if pull.state is not PullState.HELD:
                 return None
-            if choose_transport(self.transport, same_host=src.on_same_host(), mapped=src.region is not None) == "shm":
+            if self._transport_for(src) == "shm":
                 with src.lock:
                     if not src.closed:
                         src.map_read_only()  # a failure shows at the copy
@@ -213,9 +213,8 @@ class Puller:
         if not isinstance(actions[-1], Transfer):
             return self._perform(src, pull, actions)
         transfer = actions[-1]
-        name = choose_transport(self.transport, same_host=src.on_same_host(), mapped=src.region is not None)
         try:
-            result = self._transports[name].move(src, conf.claim_id, transfer.ops, timeout_s=self.timeout_s,
+            result = self._transports[self._transport_for(src)].move(src, conf.claim_id, transfer.ops, timeout_s=self.timeout_s,
                                                  abandon_s=self.abandon_s)
         except Exception as exc:
             log.warning("pull from %s failed: %s", src.endpoint, exc)
@@ -240,6 +239,9 @@ class Puller:
             return self.deliver(conf, destinations)
         finally:
             self.release(conf)
+
+    def _transport_for(self, src: PeerSource) -> str:
+        return choose_transport(self.transport, lambda: src.region is not None or src.on_same_host())
 
     # --- performing actions -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from . import messages as m
 from .claims import MAX_LEASE_S
@@ -250,10 +250,11 @@ def late_grant_release(reply: m.Message) -> SendRelease | None:
     return None
 
 
-def choose_transport(requested: str, *, same_host: bool, mapped: bool) -> str:
-    """The transport a pull from this source uses: "auto" copies on the same host, else GETs."""
+def choose_transport(requested: str, on_same_host: Callable[[], bool]) -> str:
+    """The transport a pull from this source uses: "auto" copies on the same host, else GETs.
+    `on_same_host` is asked only for "auto" (it reads the host's identity)."""
     if requested == "auto":
-        return "shm" if mapped or same_host else "get"
+        return "shm" if on_same_host() else "get"
     return requested
 
 
