@@ -112,6 +112,10 @@ def test_newer_minor_version_fields_are_ignored():
     (msgpack.packb({"type": "lookup", "version": [2, 0]}), "version", "major version 2"),
     (msgpack.packb({"type": "lookup", "version": "1.0"}), "bad_request", "major, minor"),
     (msgpack.packb({"type": "renew", "claim_id": True}), "bad_request", "claim_id must be int"),
+    (msgpack.packb({"type": "lookup", "keys": ["a" * 64, 7]}), "bad_request", r"lookup.keys must be list\[str\], item 1 is int"),
+    (msgpack.packb({"type": "granted", "offsets": [0, 4096.0]}), "bad_request", r"granted.offsets .* item 1 is float"),
+    (msgpack.packb({"type": "send_pages", "ops": [[0, 4096]]}), "bad_request", r"send_pages.ops must be .*\[0, 4096\]"),
+    (msgpack.packb({"type": "released", "live": [True, 1]}), "bad_request", r"released.live .* item 1 is int"),
 ])
 def test_bad_control_frames_are_refused_with_a_reason(raw, code, problem):
     with pytest.raises(messages.ProtocolError, match=problem) as info:

@@ -302,8 +302,6 @@ class ControlServer:
         plane = self.plane
         if plane is None:
             raise m.ProtocolError("this runner has no UCX data plane (runner.ucx = false)", code="no_ucx")
-        if not all(isinstance(op, list) and len(op) == 3 and all(isinstance(x, int) for x in op) for op in msg.ops):
-            raise m.ProtocolError("send_pages.ops must be [[offset, nbytes, tag], ...]")
         try:
             address = bytes.fromhex(msg.address)
         except ValueError:
@@ -324,9 +322,6 @@ class ControlServer:
         self.pulls.post_hint(hint)
         return m.HintPosted(num_hashes=len(hint.block_hashes))
 
-    def _keys(self, pool: str, page_hexes: list) -> list[StorageKey]:
-        for page_hex in page_hexes:
-            if not isinstance(page_hex, str):
-                raise m.ProtocolError(f"page keys must be hex strings, got {type(page_hex).__name__}")
+    def _keys(self, pool: str, page_hexes: list[str]) -> list[StorageKey]:
         self.runner.pool(pool)
         return self.runner.keys(pool, page_hexes)

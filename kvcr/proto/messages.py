@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, get_origin, get_type_hints
+from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
 import msgpack
 
@@ -72,7 +72,7 @@ class SnapshotPart(Message):
 class Lookup(Message):
     TYPE = "lookup"
     pool: str = "kv"
-    keys: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
 
 
 @_msg
@@ -81,7 +81,7 @@ class LookupReply(Message):
 
     TYPE = "lookup_reply"
     num_ready: int = 0
-    tiers: list = field(default_factory=list)
+    tiers: list[int] = field(default_factory=list)
 
 
 @_msg
@@ -90,7 +90,7 @@ class Remove(Message):
 
     TYPE = "remove"
     pool: str = "kv"
-    keys: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
     everything: bool = False
 
 
@@ -108,13 +108,13 @@ class SendPages(Message):
     TYPE = "send_pages"
     claim_id: int = 0
     address: str = ""
-    ops: list = field(default_factory=list)
+    ops: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @_msg
 class Sent(Message):
     TYPE = "sent"
-    done: list = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
 
 
 @_msg
@@ -124,8 +124,8 @@ class Pull(Message):
     TYPE = "pull"
     source_endpoint: str = ""  # empty: the source a posted hint names for these pages
     pool: str = "kv"
-    keys: list = field(default_factory=list)
-    event_hashes: list = field(default_factory=list)  # the engine's hashes; default: plain SGLang ones
+    keys: list[str] = field(default_factory=list)
+    event_hashes: list[int] = field(default_factory=list)  # the engine's hashes; default: plain SGLang ones
 
 
 @_msg
@@ -154,7 +154,7 @@ class Persist(Message):
 
     TYPE = "persist"
     pool: str = "kv"
-    keys: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
 
 
 @_msg
@@ -167,7 +167,7 @@ class Persisted(Message):
 class Reserve(Message):
     TYPE = "reserve"
     pool: str = "kv"
-    keys: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
     announces: list = field(default_factory=list)  # per key: Announce.to_wire() or nil
     lease_s: float = 0.0
     writer_pid: int = 0  # same-host writer: its fill is not aborted while it lives
@@ -179,7 +179,7 @@ class Reserved(Message):
 
     TYPE = "reserved"
     fill_id: int = 0
-    offsets: list = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
 
 
 @_msg
@@ -188,7 +188,7 @@ class ReserveShard(Message):
 
     TYPE = "reserve_shard"
     pool: str = "kv"
-    keys: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
     shard: int = 0
     announces: list = field(default_factory=list)
     lease_s: float = 0.0
@@ -201,7 +201,7 @@ class ShardReserved(Message):
 
     TYPE = "shard_reserved"
     fill_id: int = 0
-    offsets: list = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
     shard_offset: int = 0
 
 
@@ -225,7 +225,7 @@ class ShardCommitted(Message):
 class Commit(Message):
     TYPE = "commit"
     fill_id: int = 0
-    ok: list = field(default_factory=list)
+    ok: list[bool] = field(default_factory=list)
 
 
 @_msg
@@ -240,7 +240,7 @@ class ClaimRequest(Message):
 
     TYPE = "claim"
     pool: str = "kv"
-    keys: list = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
     lease_s: float = 0.0
     namespace: dict = field(default_factory=dict)
     digests: bool = False  # also send an xxh3-64 digest per page, to check the bytes after the GETs
@@ -253,11 +253,11 @@ class Granted(Message):
 
     TYPE = "granted"
     claim_id: int = 0
-    offsets: list = field(default_factory=list)
-    generations: list = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)
     lease_s: float = 0.0
     announces: list = field(default_factory=list)
-    digests: list = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)
 
 
 @_msg
@@ -285,7 +285,7 @@ class ReleaseRequest(Message):
 @_msg
 class Released(Message):
     TYPE = "released"
-    live: list = field(default_factory=list)
+    live: list[bool] = field(default_factory=list)
 
 
 @_msg
@@ -308,14 +308,42 @@ _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
            list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}
 
 
-def _check_field(cls: type, name: str, tp: Any, value: Any) -> Any:
-    if get_origin(tp) is tuple:  # the version pair
-        if not (isinstance(value, list) and len(value) == 2 and all(_CHECKS[int](v) for v in value)):
-            raise ProtocolError(f"{cls.TYPE}.{name} must be [major, minor], got {value!r}")
-        return tuple(value)
+class _Mismatch(Exception):
+    pass
+
+
+def _conform(tp: Any, value: Any) -> Any:
+    """`value` as `tp` (a scalar, list[...] or a fixed tuple[...], sent as a list); _Mismatch says why not."""
+    origin = get_origin(tp)
+    if origin is list:
+        (item,) = get_args(tp)
+        if not isinstance(value, list):
+            raise _Mismatch(f"got {type(value).__name__}")
+        if item in _CHECKS:  # the common case, checked without rebuilding the list
+            bad = next((i for i, v in enumerate(value) if not _CHECKS[item](v)), None)
+            if bad is not None:
+                raise _Mismatch(f"item {bad} is {type(value[bad]).__name__}")
+            return value
+        try:
+            return [_conform(item, v) for v in value]
+        except _Mismatch as exc:
+            raise _Mismatch(f"an item: {exc}") from None
+    if origin is tuple:
+        items = get_args(tp)
+        if not (isinstance(value, list) and len(value) == len(items)):
+            raise _Mismatch(f"got {value!r}")
+        return tuple(_conform(t, v) for t, v in zip(items, value))
     if not _CHECKS[tp](value):
-        raise ProtocolError(f"{cls.TYPE}.{name} must be {tp.__name__}, got {type(value).__name__}")
+        raise _Mismatch(f"got {type(value).__name__}")
     return value
+
+
+def _check_field(cls: type, name: str, tp: Any, value: Any) -> Any:
+    try:
+        return _conform(tp, value)
+    except _Mismatch as exc:
+        shown = "[major, minor]" if name == "version" else tp.__name__ if isinstance(tp, type) else str(tp)
+        raise ProtocolError(f"{cls.TYPE}.{name} must be {shown}, {exc}") from None
 
 
 @functools.lru_cache(maxsize=None)
