@@ -200,7 +200,11 @@ def _add_contributed(sub: argparse._SubParsersAction) -> None:
     `kvcr sglang` from sglang_adapter), through the `kvcr.commands` entry points: kvcr itself
     imports none of them."""
     for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
-        entry.load()(sub)
+        try:
+            entry.load()(sub)
+        except Exception as exc:  # one broken package must not take `kvcr serve` down with it
+            print(f"kvcr: command {entry.name!r} ({entry.value}) is unavailable: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,7 @@ class Grant:
     claim: Claim
     offsets: tuple[int, ...]  # in the region, per claimed page
     digests: tuple[int, ...]  # commit digests, when asked for
+    announces: tuple          # per claimed page: Announce.to_wire() or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +378,7 @@ class Runner:
             if registered is not None and not all(registered(o, size) for o in offsets):
                 raise Busy("these pages are not registered for peers yet; retry shortly")
             sums = tuple(self.page_digest(pool, p) for p in claim.pages) if digests else ()
-            return Grant(claim, offsets, sums)
+            return Grant(claim, offsets, sums, tuple(p.announce.to_wire() if p.announce else None for p in claim.pages))
         except BaseException:
             if claim.pages:  # no answer, no claim
                 self.release(claim.claim_id, owner=owner)

@@ -146,7 +146,8 @@ def test_a_grant_from_a_restarted_source_is_given_back_and_claimed_again_once(ma
     actions = pull.granted(grant(incarnation="src-2"), 100.01)
     assert actions[0] == SendRelease(7) and isinstance(actions[1], ClaimAgain)
     again = make_pull(retried=True)
-    assert again.granted(grant(incarnation="src-3"), 100.02) == [SendRelease(7), MISS]
+    release, forget, miss = again.granted(grant(incarnation="src-3"), 100.02)
+    assert (release, miss) == (SendRelease(7), MISS) and isinstance(forget, ForgetSource)
 
 
 def test_a_grant_outside_the_memory_we_know_of_is_claimed_again_after_a_fresh_look(make_pull):
@@ -185,7 +186,8 @@ def test_a_claim_that_times_out_backs_off_until_a_late_grant_cannot_come(make_pu
     assert make_pull(lease_s=5.0).claim_timed_out(102.0) == [BackOff(107.0), MISS]
 
 
-@pytest.mark.parametrize("code, refuse", [("namespace", True), ("busy", False), ("claim_limit", False)])
+@pytest.mark.parametrize("code, refuse", [("namespace", True), ("busy", False), ("claim_limit", False),
+                                         ("bad_reply", False)])
 def test_only_a_namespace_refusal_makes_the_source_unusable(make_pull, code, refuse):
     [action] = make_pull().claim_refused(code, f"{code}: no")
     assert isinstance(action, Refuse) == refuse

@@ -46,7 +46,9 @@ __all__ = ["Confirmation", "PeerError", "PeerSource", "PullResult", "Puller"]
 
 @dataclass
 class Confirmation:
-    """A claim held at a source for the leading `num_pages` of a request's pages."""
+    """A claim held at a source for the leading `num_pages` of a request's pages. It has one owner
+    at a time (the thread that delivers or releases it; PendingClaims hands it over under its
+    lock): its pull is not guarded against two threads."""
 
     source: PeerSource
     pull: Pull
@@ -177,6 +179,9 @@ class Puller:
             except ControlError as exc:
                 self.reach.answered(endpoint)
                 actions = pull.claim_refused(exc.code, str(exc))
+            except m.ProtocolError as exc:  # an answer we cannot read: a grant in it ends by its lease
+                self.reach.answered(endpoint)
+                actions = pull.claim_refused("bad_reply", f"unreadable claim reply: {exc}")
             except TimeoutError:
                 actions = pull.claim_timed_out(time.monotonic())
             else:
@@ -219,8 +224,9 @@ class Puller:
         except Exception as exc:
             log.warning("pull from %s failed: %s", src.endpoint, exc)
             return self._perform(src, pull, pull.move_failed(f"{type(exc).__name__}: {exc}"))
+        finished = time.monotonic()  # before hashing: the lease check is about when the bytes were read
         digests = _page_digests(pieces, sizes) if transfer.digests else ()
-        return self._perform(src, pull, pull.moved(result.done, time.monotonic(), error=result.error,
+        return self._perform(src, pull, pull.moved(result.done, finished, error=result.error,
                                                    uncertain=result.uncertain, digests=digests))
 
     def release(self, conf: Confirmation, *, wait: bool = True) -> tuple[bool, ...]:
@@ -289,7 +295,7 @@ class Puller:
             with src.socket() as client:
                 reply = client.request(request, timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
             return tuple(reply.live)
-        except (ControlError, TimeoutError) as exc:
+        except (ControlError, TimeoutError, m.ProtocolError) as exc:
             log.info("release at %s failed (the lease will end it): %s", src.endpoint, exc)
             return ()
 
@@ -312,7 +318,7 @@ class Puller:
             with src.lock:
                 if src.closed:
                     return
-                with contextlib.suppress(zmq.ZMQError):
+                with contextlib.suppress(zmq.ZMQError, m.ProtocolError):  # one bad reply must not end the poll
                     src.client.drain_late()
                 src.flush_releases()
                 pending = src.client.num_abandoned

@@ -278,8 +278,7 @@ class ControlServer:
         claim = grant.claim
         return m.Granted(claim_id=claim.claim_id, offsets=list(grant.offsets),
                          generations=[p.generation for p in claim.pages], lease_s=claim.lease_s,
-                         digests=list(grant.digests),
-                         announces=[p.announce.to_wire() if p.announce else None for p in claim.pages])
+                         digests=list(grant.digests), announces=list(grant.announces))
 
     def _check_namespace(self, pool: str, theirs: dict) -> None:
         """Same page hash, other namespace = other bytes: refuse, naming both values."""

@@ -323,8 +323,8 @@ class Pull:
         return []
 
     def _stale(self, reason: str) -> list[Action]:
-        actions = self._end_claim()
-        return actions + ([MISS] if self.terms.retried else [ClaimAgain(reason)])
+        actions = self._end_claim()  # still stale after a fresh look: forget it, a later pull starts afresh
+        return actions + ([ForgetSource(reason), MISS] if self.terms.retried else [ClaimAgain(reason)])
 
     def _end_claim(self) -> list[Action]:
         actions = self._release()
