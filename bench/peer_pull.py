@@ -79,7 +79,7 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                 ctypes.memset(dest, 1, page_bytes * pages)  # pre-fault
                 src = puller.source(control)
                 conf = puller.confirm(control, "kv", keys)
-                ops = plan_gets(dests, conf.offsets, page_bytes, chunks=src.chunks)
+                ops = plan_gets(dests, conf.offsets, page_bytes, chunks=src.terms.chunks)
                 puller.release(conf)
                 raw_ops = [(op.local, op.nbytes, op.remote_offset) for op in ops]
 

@@ -55,10 +55,6 @@ class PeerSource:
     def incarnation(self) -> str:
         return self.terms.incarnation
 
-    @property
-    def chunks(self) -> tuple[tuple[int, int], ...]:
-        return self.terms.chunks
-
     @contextlib.contextmanager
     def socket(self) -> Iterator[ControlClient]:
         """Its control client, alone, with queued releases sent first: a request never overtakes
