@@ -75,7 +75,7 @@ class Sampler:
         pool = self.runner.pools["kv"]
         while not self._stop.wait(0.002):
             with self.runner.lock:
-                dirty, since, waits = pool.num_dirty, pool.oldest_dirty_since(), self.runner.num_fill_waits
+                dirty, since, waits = pool.num_dirty, pool.oldest_dirty_since(), self.runner.nvme.num_fill_waits
                 now = self.runner.clock()
             self.max_dirty = max(self.max_dirty, dirty)
             if waits and self.lag_at_wait is None:
@@ -99,7 +99,7 @@ def store_rate_case(root: Path, dram_pages: int, num_requests: int, repeats: int
         on.append(nbytes / store_all(runner, reqs) / 1e9)
         sampler.stop()
         with runner.lock:
-            waits, waited = runner.num_fill_waits, runner.fill_wait_s
+            waits, waited = runner.nvme.num_fill_waits, runner.nvme.fill_wait_s
             dropped = sum(runner.pools["kv"].dropped.values())
         lag_rows.append((sampler.max_dirty, sampler.lag_at_wait, waits, waited, dropped))
         runner.shutdown()
@@ -123,10 +123,10 @@ def retention_case(root: Path, dram_pages: int, factor: int) -> str:
         runner = make_runner(root / f"keep{factor}{policy}" if policy else None, dram_pages, policy or "write_behind")
         store_all(runner, reqs)
         if policy:
-            runner.persister.flush(30)
+            runner.nvme.persister.flush(30)
         with runner.lock:
             keys = [k for hexes, _, _ in reqs for k in runner.keys("kv", hexes)]
-            pool, disk = runner.pools["kv"], runner.disks.get("kv")
+            pool, disk = runner.pools["kv"], runner.nvme.disks.get("kv")
             kept = sum(pool.get(k) is not None or (disk is not None and disk.name(k.page_hex) in disk.index) for k in keys)
             dropped = sum(pool.dropped.values())
         cells.append(f"{kept / stored * 100:.1f} % ({dropped} dropped)")

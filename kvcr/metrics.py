@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -11,6 +11,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+if TYPE_CHECKING:
+    from .runner import RunnerStatistics
 
 
 class RunnerCollector:
@@ -42,8 +45,8 @@ class RunnerCollector:
                 nbytes.add_metric([s.name, "nvme"], d.num_bytes)
                 evictions.add_metric([s.name, "nvme"], d.num_evicted)
         yield from (pages, nbytes, capacity, evictions)
-        yield from self._nvme(runner, stats)
-        yield from self._persist(runner, stats)
+        yield from self._nvme(stats)
+        yield from self._persist(stats)
         claim_stats = stats.claims
         yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=stats.hits)
         yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=stats.misses)
@@ -76,8 +79,9 @@ class RunnerCollector:
 
 
     @staticmethod
-    def _nvme(runner, stats) -> Iterator[Metric]:
-        if not runner.disks:
+    def _nvme(stats: RunnerStatistics) -> Iterator[Metric]:
+        nvme = stats.nvme
+        if not nvme.disks:
             return
         corrupt = CounterMetricFamily("kvcr_nvme_corrupt", "Truncated or corrupt page files removed", labels=["pool"])
         unverified = GaugeMetricFamily("kvcr_nvme_unverified_pages",
@@ -87,48 +91,48 @@ class RunnerCollector:
         errors = CounterMetricFamily("kvcr_nvme_errors", "Failed file operations by errno", labels=["pool", "errno"])
         latency = {op: HistogramMetricFamily(f"kvcr_nvme_{op}_seconds", f"Page {op} latency", labels=["pool"])
                    for op in ("read", "write")}
-        for name, disk in runner.disks.items():
+        for name, disk in nvme.disks:
             d = stats.tier(name).nvme
             corrupt.add_metric([name], d.num_corrupt)
             unverified.add_metric([name], d.num_unverified)
-            foreign.add_metric([name], disk.num_foreign)
-            for code, n in sorted(disk.errors.items()):
+            foreign.add_metric([name], disk.foreign)
+            for code, n in disk.errors:
                 errors.add_metric([name, code], n)
-            for op, hist in (("read", disk.read_latency), ("write", disk.write_latency)):
+            for op, (bounds, counts, total) in (("read", disk.read_latency), ("write", disk.write_latency)):
                 cumulative, buckets = 0, []
-                for bound, count in zip((*map(str, hist.bounds), "+Inf"), hist.counts):
+                for bound, count in zip((*map(str, bounds), "+Inf"), counts):
                     cumulative += count
                     buckets.append((bound, cumulative))
-                latency[op].add_metric([name], buckets, hist.total)
+                latency[op].add_metric([name], buckets, total)
         yield from (corrupt, unverified, foreign, errors, *latency.values())
         yield CounterMetricFamily("kvcr_spilled_pages", "DRAM pages written to NVMe (write-behind or spill)",
-                                  value=stats.spilled)
+                                  value=nvme.spilled)
         yield CounterMetricFamily("kvcr_promoted_pages", "NVMe pages copied into DRAM to be served",
-                                  value=stats.promoted)
+                                  value=nvme.promoted)
 
 
     @staticmethod
-    def _persist(runner, stats) -> Iterator[Metric]:
+    def _persist(stats: RunnerStatistics) -> Iterator[Metric]:
         dropped = CounterMetricFamily("kvcr_pages_dropped", "Pages a tier let go that no tier below kept, by reason",
                                       labels=["pool", "tier", "reason"])
         queue = GaugeMetricFamily("kvcr_write_behind_queue", "Dirty pages waiting for the NVMe writer",
                                   labels=["pool"])
         lag = GaugeMetricFamily("kvcr_write_behind_lag_seconds", "Age of the oldest dirty page waiting (0: none)",
                                 labels=["pool"])
-        p = runner.persister
+        nvme = stats.nvme
         for (pool, tier, reason), n in stats.dropped:
             dropped.add_metric([pool, tier, reason], n)
         for t in stats.tiers:
             if t.nvme is not None:
                 queue.add_metric([t.dram.name], t.write_behind_queue)
                 lag.add_metric([t.dram.name], t.write_behind_lag_s)
-        waits, waited, flush = stats.fill_waits, stats.fill_wait_s, stats.shutdown_flush
+        waits, waited, flush = nvme.fill_waits, nvme.fill_wait_s, nvme.shutdown_flush
         yield from (dropped, queue, lag)
         yield CounterMetricFamily("kvcr_nvme_writes_skipped", "Dirty pages already on NVMe (not rewritten)",
-                                  value=p.num_skipped)
+                                  value=nvme.skipped)
         refused = CounterMetricFamily("kvcr_nvme_writes_refused", "Dirty pages NVMe did not take, by reason",
                                       labels=["reason"])
-        for reason, n in sorted(p.num_refused.items()):
+        for reason, n in nvme.refused:
             refused.add_metric([reason], n)
         yield refused
         yield CounterMetricFamily("kvcr_fill_waits", "Fills that waited for the NVMe writer (back-pressure)",

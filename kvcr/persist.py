@@ -2,8 +2,8 @@
 
 `write_behind` writes every committed page, oldest first, as soon as it gets to it; `spill`
 writes only the pages eviction wants next (DRAM above its high watermark, or a fill waiting).
-Which page is DIRTY or CLEAN is PagePool's state; the runner owns both tiers; this thread only
-moves bytes between them. Design notes: docs/nvme.md.
+Which page is DIRTY or CLEAN is PagePool's state; NvmeTiering (kvcr/tiering.py) owns the tier and
+decides; this thread only moves bytes between DRAM and NVMe. Design notes: docs/nvme.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .drivers.nvme import Written
 from .proto.pool import Keep
 
 if TYPE_CHECKING:
-    from .runner import Runner
+    from .tiering import NvmeTiering
 
 log = logging.getLogger(__name__)
 SPILL = "spill"  # nvme.write_policy values are validated in kvcr/config.py
@@ -26,8 +26,8 @@ _KEEP = {Written.WRITTEN: Keep.CLEAN, Written.PRESENT: Keep.CLEAN, Written.FULL:
 
 
 class Persister:
-    def __init__(self, runner: Runner, *, policy: str, batch: int) -> None:
-        self.runner = runner
+    def __init__(self, tiering: NvmeTiering, *, policy: str, batch: int) -> None:
+        self.tiering = tiering
         self.policy = policy
         self.batch = batch
         self.wake = threading.Event()
@@ -58,15 +58,16 @@ class Persister:
 
     def write_once(self) -> int:
         """One batch per pool that has work; returns pages handled."""
-        return sum(self._write_pool(name) for name in self.runner.disks)
+        return sum(self._write_pool(name) for name in self.tiering.disks)
 
     def _write_pool(self, name: str) -> int:
-        runner, disk = self.runner, self.runner.disks[name]
+        tiering, disk = self.tiering, self.tiering.disks[name]
+        runner = tiering.runner
         pool = runner.pool(name)
         batch = min(self.batch, max(1, pool.capacity // 4))  # never pin most of DRAM at once
         with runner.lock:
             if self.policy == SPILL and not self._flushing:
-                pages = pool.take_dirty(min(batch, runner.spill_demand(name)), lru=True)
+                pages = pool.take_dirty(min(batch, tiering.spill_demand(name)), lru=True)
             else:
                 pages = pool.take_dirty(batch)
             if not pages:
@@ -85,7 +86,7 @@ class Persister:
             with runner.lock:
                 pool.settle_written(pages, keeps)
                 self._count(len(pages) - len(todo), [outcomes.get(id(p), Written.FAILED) for p in todo])
-                runner.written.notify_all()
+                tiering.settled()
                 runner.flush_events()
         return len(pages)
 
@@ -115,8 +116,9 @@ class Persister:
         return self.num_written - before, self._num_dirty()
 
     def _num_dirty(self) -> int:
-        with self.runner.lock:
-            return sum(self.runner.pool(n).num_dirty for n in self.runner.disks)
+        runner = self.tiering.runner
+        with runner.lock:
+            return sum(runner.pool(n).num_dirty for n in self.tiering.disks)
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,18 +1,18 @@
 """Runner: the DRAM region, its pools, claims and the event stream, behind one lock.
 
 Metadata changes happen under the lock; page bytes are copied outside it, while the pages
-are FILLING (invisible) or claimed (pinned), so a half-written page is never visible.
+are FILLING (invisible) or claimed (pinned), so a half-written page is never visible. The NVMe
+tier behind DRAM (`self.nvme`, kvcr/tiering.py) and TP shard assembly (`self.shards`,
+kvcr/shard_assembly.py) are owners of their own; pulls from peers are kvcr/pulls.py's.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
 import time
 import uuid
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -20,20 +20,16 @@ from typing import Callable, Iterator, Sequence
 import xxhash
 
 from .config import Config
-from .drivers.nvme import DiskTier
 from .drivers.shm import Region, host_id, region_name
-from .persist import Persister
 from .proto.announce import Announce
 from .proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill, Release
-from .proto.disk_index import DiskIndex, DiskStats
+from .proto.disk_index import DiskStats
 from .proto.events import AllBlocksCleared, Event
 from .proto.keys import Namespace, StorageKey, storage_key
-from .proto.pool import Keep, Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
+from .proto.pool import Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
 from .proto.relay import RelayStep
-from .proto.shards import ShardGroups
-
-
-log = logging.getLogger(__name__)
+from .shard_assembly import ShardAssembly
+from .tiering import NvmeTiering, TieringStatistics
 
 
 class UnknownPool(PoolError):
@@ -41,7 +37,6 @@ class UnknownPool(PoolError):
 
 
 TIER_ABSENT, TIER_DRAM, TIER_NVME = 0, 1, 2
-SHARD_OWNER = "shards"  # owns the fills TP ranks assemble together
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +58,8 @@ class RunnerStatistics:
     claims: ClaimStats
     hits: int
     misses: int
-    spilled: int
-    promoted: int
     dropped: tuple[tuple[tuple[str, str, str], int], ...]  # ((pool, tier, reason), pages), sorted
-    fill_waits: int
-    fill_wait_s: float
-    shutdown_flush: tuple[float, int, int] | None  # seconds, pages written, pages left
+    nvme: TieringStatistics
 
     def tier(self, pool: str) -> TierStatistics:
         return next(t for t in self.tiers if t.dram.name == pool)
@@ -142,31 +133,11 @@ class Runner:
         self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction,
                                  max_claims_per_owner=cfg.runner.max_claims_per_peer)
         self.lock = threading.RLock()
-        self.disks: dict[str, DiskTier] = {}
-        if cfg.nvme.storage_dir:
-            self.disks = {p.name: self._disk_tier(p) for p in self.layouts.values()}
-        self.num_promoted = 0
-        self.written = threading.Condition(self.lock)  # the persister settled a batch: room may exist
-        self._fill_demand: Counter[str] = Counter()  # pages waiting fills need evicted (spill writes them)
-        self.num_fill_waits = 0
-        self.fill_wait_s = 0.0
-        self.shutdown_flush: tuple[float, int, int] | None = None  # seconds, pages written, pages left
-        self.persister = Persister(self, policy=cfg.nvme.write_policy, batch=cfg.nvme.write_batch)
-        if self.disks:
-            self.persister.start()
-        self.shard_groups = ShardGroups()
         self._publish = publish or (lambda events: 0)
         self.hits = 0
         self.misses = 0
-
-    def _disk_tier(self, layout: PoolLayout) -> DiskTier:
-        n = self.cfg.nvme
-        index = DiskIndex(block_size=self.cfg.runner.block_size, max_bytes=n.max_size,
-                          high_watermark=n.high_watermark, low_watermark=n.low_watermark)
-        return DiskTier(n.storage_dir, layout.namespace, page_bytes=layout.page_bytes, index=index, lock=self.lock,
-                        flush=self._flush_locked, read_workers=n.read_workers, write_workers=n.write_workers,
-                        fsync=n.fsync, min_free_space=n.min_free_space, stale_temp_age_s=n.stale_temp_age_s,
-                        verify=n.verify)
+        self.nvme = NvmeTiering(self, cfg, list(self.layouts.values()))
+        self.shards = ShardAssembly(self)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -188,19 +159,13 @@ class Runner:
         return layout.offset + slot * layout.stride
 
     def flush_events(self) -> None:
-        events: list[Event] = []
-        for name, disk in self.disks.items():  # DRAM copies of pages NVMe let go lose their keeper
-            dropped = disk.index.take_dropped()
-            if dropped:
-                self.pools[name].mark_unkept(self.keys(name, [self.disks[name].page_hex(n) for n in dropped]), Keep.LOWER_EVICTED)
-        for pool in self.pools.values():
-            events.extend(pool.take_events())
-        for disk in self.disks.values():
-            events.extend(disk.index.take_events())
+        """Publish what changed (under the lock)."""
+        nvme = self.nvme.take_events()  # first: it marks DRAM copies NVMe let go as unkept
+        events = [e for pool in self.pools.values() for e in pool.take_events()] + nvme
         if events:
             self._publish(events)
 
-    def _flush_locked(self) -> None:
+    def flush_events_locked(self) -> None:
         with self.lock:
             self.flush_events()
 
@@ -227,33 +192,16 @@ class Runner:
                                                evict_dirty=deadline is not None and time.monotonic() >= deadline)
                     break
                 except PoolBusy as busy:
-                    deadline = self._wait_for_writer(pool, busy, deadline)
-            if deadline is not None:  # it waited: since deadline - dirty_wait_s
-                self.fill_wait_s += time.monotonic() - deadline + self.cfg.nvme.dirty_wait_s
+                    deadline = self.nvme.wait_for_writer(pool, busy, deadline)
+            if deadline is not None:
+                self.nvme.waited(deadline)
             self.flush_events()  # room may have been made by eviction
             return fill
 
-    def _wait_for_writer(self, pool: str, busy: PoolBusy, deadline: float | None) -> float:
-        """Wait (lock released) until the persister settles a batch or the deadline passes."""
-        if deadline is None:
-            deadline = time.monotonic() + self.cfg.nvme.dirty_wait_s
-            self.num_fill_waits += 1
-        left = deadline - time.monotonic()
-        if left > 0:
-            self._fill_demand[pool] += busy.shortfall
-            self.persister.wake.set()
-            try:
-                self.written.wait(left)
-            finally:
-                self._fill_demand[pool] -= busy.shortfall
-        else:
-            log.warning("pool %r: the NVMe writer is behind; dropping up to %d dirty pages after %.1f s",
-                        pool, busy.shortfall, self.cfg.nvme.dirty_wait_s)
-        return deadline
-
-    def spill_demand(self, pool: str) -> int:
-        """Pages the spill policy should write now: what eviction wants next (call under the lock)."""
-        return max(self.pools[pool].over_watermark(), self._fill_demand[pool])
+    def fill(self, fill_id: int) -> Fill:
+        """An open fill (ClaimError naming why when it is not: committed, aborted or expired)."""
+        with self.lock:
+            return self.claims.fill(fill_id)
 
     def commit(self, fill_id: int, ok: Sequence[bool] | None = None, *, owner: str = "local",
                clean: bool = False) -> int:
@@ -264,8 +212,8 @@ class Runner:
         with self.lock:
             n = self.claims.commit(fill_id, owner=owner, ok=ok, now=self.clock(), clean=clean)
             self.flush_events()
-        if n and self.disks and not clean:
-            self.persister.wake.set()
+        if n and not clean:
+            self.nvme.committed()
         return n
 
     def _digest_fill(self, fill_id: int, ok: Sequence[bool] | None) -> None:
@@ -285,34 +233,6 @@ class Runner:
     def page_digest(self, pool: str, page: Page) -> int:
         """The page's digest from its commit, or (a runner keeping none) of its bytes now."""
         return page.digest if page.digest is not None else xxhash.xxh3_64_intdigest(self.slot_view(pool, page))
-
-    def reserve_shard(self, pool: str, keys: Sequence[StorageKey], shard: int,
-                      announces: Sequence[Announce | None] | None = None, *, lease_s: float | None = None
-                      ) -> tuple[Fill, int]:
-        """Join (or open) the fill assembling exactly `keys` from TP shards; returns it and the
-        byte offset of `shard` inside each page. The first rank's announces are the page's."""
-        layout = self.layouts[self.pool(pool).name]
-        with self.lock:
-            group = self.shard_groups.find(pool, tuple(keys))
-            if group is None:
-                fill = self.reserve(pool, keys, announces, owner=SHARD_OWNER, lease_s=lease_s)
-                group = self.shard_groups.find(pool, tuple(keys))  # another rank's, if reserve waited
-                if group is None:
-                    group = self.shard_groups.open(pool, tuple(keys), fill.fill_id, layout.shards)
-                else:
-                    self.claims.commit(fill.fill_id, owner=SHARD_OWNER, ok=None, abort=True)
-            self.shard_groups.join(group, shard)
-            return self.claims.fill(group.fill_id), shard * (layout.page_bytes // layout.shards)
-
-    def commit_shard(self, fill_id: int, shard: int, ok: bool) -> bool | None:
-        """One shard written (or failed). The pages are committed once every shard is in, and
-        discarded as soon as one fails. Returns that verdict (None: others still writing)."""
-        with self.lock:
-            _, verdict = self.shard_groups.commit(fill_id, shard, ok)
-            if verdict is not None:
-                self.commit(fill_id, None if verdict else [False] * len(self.claims.fill(fill_id).pages),
-                            owner=SHARD_OWNER)
-            return verdict
 
     def put(self, pool: str, keys: Sequence[StorageKey], pages: Sequence[bytes | memoryview],
             announces: Sequence[Announce | None] | None = None) -> int:
@@ -349,15 +269,15 @@ class Runner:
 
     def tiers(self, pool: str, keys: Sequence[StorageKey]) -> list[int]:
         """Per key: TIER_ABSENT, TIER_DRAM or TIER_NVME (DRAM wins when a page is in both)."""
-        p, disk = self.pool(pool), self.disks.get(pool)
+        p = self.pool(pool)
         with self.lock:
             in_dram = [p.get(k) is not None for k in keys]
-            on_disk = [disk is not None and disk.name(k.page_hex) in disk.index for k in keys]
+            on_disk = self.nvme.on_disk(pool, keys)
         return [TIER_DRAM if d else TIER_NVME if n else TIER_ABSENT for d, n in zip(in_dram, on_disk)]
 
     def claim(self, pool: str, keys: Sequence[StorageKey], *, owner: str = "local", lease_s: float | None = None) -> Claim:
         """Pin the leading present pages; NVMe pages right after the DRAM run are promoted first."""
-        self._maybe_promote(pool, keys)
+        self.nvme.complete_run(pool, keys)
         with self.lock:
             p = self.pool(pool)
             claim = self.claims.claim(p, keys, owner=owner, lease_s=lease_s or self.cfg.runner.lease_seconds,
@@ -400,51 +320,6 @@ class Runner:
             self.remove(claim.pool.name, moved)
         return result
 
-    def _maybe_promote(self, pool: str, keys: Sequence[StorageKey]) -> None:
-        """Promote the NVMe run that continues the DRAM run; the DRAM run stays pinned meanwhile,
-        so making room never evicts the head of the chain being completed."""
-        if pool not in self.disks or not self.cfg.nvme.promote:
-            return
-        with self.lock:
-            p = self.pool(pool)
-            head = p.pin_prefix(keys, len(keys))
-        try:
-            if len(head) < len(keys):
-                self.promote(pool, keys[len(head):])
-        finally:
-            with self.lock:
-                p.unpin(head)
-
-    def promote(self, pool: str, keys: Sequence[StorageKey]) -> int:
-        """Copy the leading run of `keys` found on NVMe into DRAM. Returns pages promoted."""
-        disk = self.disks[pool]
-        hexes = [k.page_hex for k in keys]
-        n = disk.present(hexes)
-        if not n:
-            return 0
-        with self.lock:
-            announces = [e.announce if e is not None else None
-                         for e in (disk.index.get(disk.name(h)) for h in hexes[:n])]
-        try:
-            fill = self.reserve(pool, keys[:n], announces, lease_s=math.inf)
-        except PoolError:
-            return 0  # no room even after eviction: serve what DRAM has
-        ok = [True] * n
-        todo = [(i, p) for i, p in enumerate(fill.pages) if isinstance(p, Page)]
-        try:
-            got = disk.read_into([hexes[i] for i, _ in todo], [self.slot_view(pool, p) for _, p in todo])
-            for j, (i, _) in enumerate(todo):
-                ok[i] = j < got
-        except BaseException:
-            ok = [False] * n
-            raise
-        finally:
-            committed = self.commit(fill.fill_id, ok, clean=True)
-        with self.lock:
-            self.pool(pool).mark_clean(keys[:n])  # pages another fill committed meanwhile: NVMe has them
-            self.num_promoted += committed
-        return next((i for i, good in enumerate(ok) if not good), n)
-
     def quarantine(self, fill_id: int) -> int:
         """A fill whose slots a transfer may still write: they are never handed out again."""
         with self.lock:
@@ -452,23 +327,13 @@ class Runner:
             self.flush_events()
         return n
 
-    def persist(self, pool: str, keys: Sequence[StorageKey]) -> int:
-        """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
-        disk = self.disks[pool]
-        with self.pinned(pool, keys) as pages:
-            results = disk.write([pg.key.page_hex for pg in pages], [self.slot_view(pool, pg) for pg in pages],
-                                 [pg.announce for pg in pages])
-            with self.lock:
-                self.pool(pool).mark_clean([pg.key for pg, ok in zip(pages, results) if ok])
-        return sum(results)
-
     @contextmanager
     def pinned(self, pool: str, keys: Sequence[StorageKey]) -> Iterator[list[Page]]:
         """Pin the leading present pages (promoting from NVMe) for a local copy, then unpin.
 
         A local copy is bounded by this call, so it takes no lease and no share of the claim limit.
         """
-        self._maybe_promote(pool, keys)
+        self.nvme.complete_run(pool, keys)
         with self.lock:
             p = self.pool(pool)
             pages = p.pin_prefix(keys, len(keys))
@@ -521,41 +386,28 @@ class Runner:
             return len(pages)
 
     def housekeeping(self) -> None:
-        """Lease expiry and NVMe watermark eviction (one pass); the persister writes DRAM pages."""
+        """Lease expiry, then the NVMe tier's pass (watermark eviction, a dead writer restarted)."""
         self.expire()
-        for disk in self.disks.values():
-            disk.evict_to_watermark()
-        if self.disks and not self.persister.is_alive():
-            log.error("the NVMe persister thread is gone; restarting it")
-            self.persister = Persister(self, policy=self.cfg.nvme.write_policy,
-                                       batch=self.cfg.nvme.write_batch).start()
+        self.nvme.housekeeping()
 
     def statistics(self) -> RunnerStatistics:
         with self.lock:
             now = self.clock()
             tiers = tuple(self._tier_statistics(name, pool, now) for name, pool in self.pools.items())
-            return RunnerStatistics(tiers, self.claims.statistics(), self.hits, self.misses, self.num_spilled,
-                                    self.num_promoted, tuple(sorted(self.dropped().items())), self.num_fill_waits,
-                                    self.fill_wait_s, self.shutdown_flush)
+            return RunnerStatistics(tiers, self.claims.statistics(), self.hits, self.misses,
+                                    tuple(sorted(self.dropped().items())), self.nvme.statistics())
 
     def _tier_statistics(self, name: str, pool: PagePool, now: float) -> TierStatistics:
-        disk = self.disks.get(name)
+        disk = self.nvme.disks.get(name)
         since = pool.oldest_dirty_since() if disk is not None else None
         return TierStatistics(pool.statistics(), pool.num_evicted, disk.index.statistics() if disk else None,
                               pool.num_dirty if disk is not None else 0,
                               0.0 if since is None else max(0.0, now - since))
 
-    @property
-    def num_spilled(self) -> int:
-        """DRAM pages written to NVMe (write-behind or spill)."""
-        return self.persister.num_written
-
     def dropped(self) -> dict[tuple[str, str, str], int]:
-        """Pages a tier let go that no tier below kept: (pool, tier, reason) -> count (under the lock).
-        NVMe is the last tier: each page it evicts is dropped."""
+        """Pages a tier let go that no tier below kept: (pool, tier, reason) -> count (under the lock)."""
         out = {(name, "dram", reason): n for name, p in self.pools.items() for reason, n in p.dropped.items()}
-        for name, disk in self.disks.items():
-            out[(name, "nvme", "evicted")] = disk.index.num_evicted
+        out.update({(name, "nvme", "evicted"): n for name, n in self.nvme.evicted().items()})
         return out
 
     # --- inventory ---------------------------------------------------------------------------
@@ -565,30 +417,21 @@ class Runner:
         with self.lock:
             n = self.pool(pool).remove(keys)
             self.flush_events()
-        if pool in self.disks:
-            n += self.disks[pool].remove([k.page_hex for k in keys])
-        return n
+        return n + self.nvme.remove(pool, [k.page_hex for k in keys])
 
     def clear(self, pool: str) -> int:
         """Drop every page of `pool` from DRAM and NVMe (SGLang's /flush_cache). Returns pages removed."""
         with self.lock:
             keys = [p.key for p in self.pool(pool).ready_pages()]
-            disk = self.disks.get(pool)
-            on_disk = [disk.page_hex(e.name) for e in disk.index.entries()] if disk is not None else []
-        n = self.remove(pool, keys)
-        return n + (disk.remove(on_disk) if disk is not None else 0)
+            on_disk = self.nvme.page_hexes(pool)
+        return self.remove(pool, keys) + self.nvme.remove(pool, on_disk)
 
     def inventory(self) -> list[Event]:
         """The whole announced inventory as BlockStored events (call under the lock)."""
         events: list[Event] = []
         for pool in self.pools.values():
             events.extend(coalesce_stored(pool.ready_pages(), pool.block_size, pool.medium))
-        for disk in self.disks.values():
-            events.extend(disk.index.inventory())
-        return events
-
-    def start_disk_scans(self) -> list[threading.Thread]:
-        return [disk.start_scan() for disk in self.disks.values()]
+        return events + self.nvme.inventory()
 
     def relay(self, step: RelayStep) -> None:
         """Publish relayed engine events; a resync first clears and re-announces our own pages.
@@ -609,37 +452,19 @@ class Runner:
     def expire(self) -> list[int]:
         with self.lock:
             gone = self.claims.expire(self.clock(), writer_alive=_pid_alive)
-            for item_id in gone:  # a rank that never wrote its shard: the page is gone with the fill
-                self.shard_groups.close(item_id)
             self.flush_events()
-            return gone
-
-    def flush_to_nvme(self) -> tuple[float, int, int]:
-        """Write every dirty DRAM page to NVMe within nvme.flush_timeout_s (at shutdown); returns
-        (seconds, pages written, pages left) and logs what did not make it."""
-        t0 = time.monotonic()
-        written, left = self.persister.flush(self.cfg.nvme.flush_timeout_s)
-        self.shutdown_flush = (time.monotonic() - t0, written, left)
-        if left:
-            log.warning("NVMe flush at shutdown: %d dirty pages not written within nvme.flush_timeout_s = %.1f s "
-                        "(lost with DRAM)", left, self.cfg.nvme.flush_timeout_s)
-        elif written:
-            log.info("NVMe flush at shutdown: %d pages written in %.2f s", written, self.shutdown_flush[0])
-        return self.shutdown_flush
+        self.shards.forget(gone)  # its lock is never taken under ours
+        return gone
 
     def shutdown(self) -> None:
         """Flush dirty pages to NVMe, announce the removal of everything held, then unmap and
         unlink the region."""
-        if self.disks:
-            self.flush_to_nvme()
-        self.persister.stop()
-        for disk in self.disks.values():
-            disk.close()
+        if self.nvme.disks:
+            self.nvme.flush()
+        self.nvme.close()  # the files stay; a restarted runner re-announces them
         with self.lock:
             for pool in self.pools.values():
                 pool.clear()
-            for disk in self.disks.values():
-                disk.index.clear()  # the files stay; a restarted runner re-announces them
             self.flush_events()
         self.view.release()
         self.region.close()

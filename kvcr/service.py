@@ -82,7 +82,7 @@ class Service:
                                        ranges=[(lay.offset, lay.stride * lay.num_slots, lay.stride)
                                                for lay in self.runner.layouts.values()])
         self.runner.announce_start()
-        self.runner.start_disk_scans()
+        self.runner.nvme.start_scans()
         self._housekeeper.start()
         if self.relay is not None:
             self.relay.start()
@@ -104,7 +104,7 @@ class Service:
         problems = [p.health() for p in parts]
         if not self._housekeeper.is_alive() and not self.stopped.is_set():
             problems.append("housekeeping thread is gone")
-        if self.runner.disks and not self.runner.persister.is_alive() and not self.stopped.is_set():
+        if not self.runner.nvme.healthy() and not self.stopped.is_set():
             problems.append("NVMe persister thread is gone")
         return [p for p in problems if p]
 
@@ -145,8 +145,8 @@ class Service:
         self.control.stop()
         if self.relay is not None:
             self.relay.stop()
-        if self.runner.disks:  # nothing commits now; /metrics shows the flush while it runs
-            self.runner.flush_to_nvme()
+        if self.runner.nvme.disks:  # nothing commits now; /metrics shows the flush while it runs
+            self.runner.nvme.flush()
         self.http.stop()
         self.pulls.close()
         if self.plane is not None:

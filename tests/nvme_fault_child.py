@@ -126,7 +126,7 @@ def burst_runner(root):
 
 def announced_pages_intact(runner, requests):
     """Every page NVMe announces has a whole file with the bytes that were stored."""
-    disk = runner.disks["kv"]
+    disk = runner.nvme.disks["kv"]
     stored = {h: d for hexes, data in requests for h, d in zip(hexes, data)}
     with runner.lock:
         names = [e.name for e in disk.index.entries()]
@@ -141,8 +141,8 @@ def burst_enospc(root):
     runner, put, requests, _ = burst_runner(root)
     for seed in range(4):  # 64 pages (4 MiB) behind 32 DRAM slots, into a 1 MiB tmpfs
         put(seed)
-    runner.persister.flush(10)
-    disk, pool = runner.disks["kv"], runner.pools["kv"]
+    runner.nvme.persister.flush(10)
+    disk, pool = runner.nvme.disks["kv"], runner.pools["kv"]
     result = {"errors": dict(disk.errors), "dropped": dict(pool.dropped), "ready": pool.statistics().num_ready,
               "on_disk": disk.index.statistics().num_pages, "intact": announced_pages_intact(runner, requests),
               "tmp_left": [n for n in os.listdir(disk.dir) if n.endswith(".tmp")]}
@@ -153,13 +153,13 @@ def burst_enospc(root):
 def burst_erofs(root):
     runner, put, requests, _ = burst_runner(root)
     put(0)
-    runner.persister.flush(10)
-    before = runner.disks["kv"].index.statistics().num_pages
+    runner.nvme.persister.flush(10)
+    before = runner.nvme.disks["kv"].index.statistics().num_pages
     subprocess.run(["mount", "-o", "remount,ro", root], check=True)
     for seed in range(1, 4):
         put(seed)
-    runner.persister.flush(10)
-    pool, disk = runner.pools["kv"], runner.disks["kv"]
+    runner.nvme.persister.flush(10)
+    pool, disk = runner.pools["kv"], runner.nvme.disks["kv"]
     first = requests[0]
     result = {"before": before, "errors": dict(disk.errors), "dropped": dict(pool.dropped),
               "first_request_back": runner.get("kv", runner.keys("kv", first[0])) == first[1],

@@ -234,22 +234,23 @@ def test_dram_evicts_only_pages_nvme_holds_and_a_hit_is_promoted_back(nvme_runne
     hexes, ann, data = chain(8)
     keys = [runner.key("kv", h) for h in hexes]
     runner.put("kv", keys[:7], data[:7], ann[:7])
-    pool, disk = runner.pools["kv"], runner.disks["kv"]
+    pool, disk = runner.pools["kv"], runner.nvme.disks["kv"]
     # 7 used > 6 (high): down to 4 (low) once written. Spill writes the 3 tails with their ancestors.
     wait_until(lambda: pool.statistics().num_ready == 4, 10, 0.01, "DRAM down to its low watermark")
     assert disk.present(hexes) == 7 and pool.leading_ready(keys) == 4 and not pool.dropped
     stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
     assert stored[0].parent_block_hash is None and sum(len(e.block_hashes) for e in stored) == 7
     assert runner.get("kv", keys[:7]) == data[:7]  # DRAM run, then promoted NVMe run
-    assert runner.num_promoted == 3 and runner.num_spilled == 7
-    assert runner.persister.flush(5) == (0, 0)  # promoted pages are clean: nothing to write again
+    stats = runner.statistics().nvme
+    assert stats.promoted == 3 and stats.spilled == 7
+    assert runner.nvme.persister.flush(5) == (0, 0)  # promoted pages are clean: nothing to write again
 
 
 def test_promotion_refuses_a_corrupt_nvme_page(nvme_runner):
     runner, _ = nvme_runner
     hexes, ann, data = chain(2, seed=5)
     keys = [runner.key("kv", h) for h in hexes]
-    disk = runner.disks["kv"]
+    disk = runner.nvme.disks["kv"]
     disk.write(hexes, [memoryview(d) for d in data], ann)
     path = disk.path(disk.name(hexes[1]))
     raw = bytearray(path.read_bytes())
@@ -292,9 +293,9 @@ def test_shutdown_writes_the_pages_spill_had_not_written_yet(tmp_path):
     runner = Runner(cfg)
     hexes, ann, data = chain(4, seed=9)
     runner.put("kv", runner.keys("kv", hexes), data, ann)
-    assert runner.pools["kv"].num_dirty == 4 and runner.disks["kv"].index.statistics().num_pages == 0
+    assert runner.pools["kv"].num_dirty == 4 and runner.nvme.disks["kv"].index.statistics().num_pages == 0
     runner.shutdown()
-    assert runner.shutdown_flush[1:] == (4, 0)
+    assert runner.nvme.shutdown_flush[1:] == (4, 0)
     t = Tier(tmp_path, ns=runner.layouts["kv"].namespace)
     t.tier.scan()
     assert t.read(hexes) == data

@@ -1,6 +1,8 @@
 """Pages assembled from TP shards in one runner (a sidecar's pool): visible only when every shard
 is in, discarded when one fails or never comes."""
 
+import threading
+
 import pytest
 
 from kvcr.config import load_config
@@ -31,7 +33,7 @@ def keys_and_announces(n: int, seed: int):
 
 
 def write_shard(runner, keys, shard, announces=None, byte=0):
-    fill, shard_offset = runner.reserve_shard("kv", [runner.key("kv", k) for k in keys], shard, announces)
+    fill, shard_offset = runner.shards.reserve("kv", [runner.key("kv", k) for k in keys], shard, announces)
     for page in fill.pages:
         start = runner.offset("kv", page.slot) + shard_offset
         runner.view[start:start + SHARD] = bytes([byte]) * SHARD
@@ -43,10 +45,10 @@ def test_a_page_appears_and_is_announced_only_once_every_shard_is_in(sidecar):
     keys, ann = keys_and_announces(3, seed=1)
     rkeys = [runner.key("kv", k) for k in keys]
     fill_id = write_shard(runner, keys, 0, ann, byte=1)
-    assert runner.commit_shard(fill_id, 0, True) is None and runner.lookup("kv", rkeys) == 0
+    assert runner.shards.commit(fill_id, 0, True) is None and runner.lookup("kv", rkeys) == 0
     assert not [e for e in events if isinstance(e, BlockStored)]
     assert write_shard(runner, keys, 1, byte=2) == fill_id  # the second rank joins the same fill
-    assert runner.commit_shard(fill_id, 1, True) is True
+    assert runner.shards.commit(fill_id, 1, True) is True
     assert runner.lookup("kv", rkeys) == 3
     page = runner.get("kv", rkeys[:1])[0]
     assert page == bytes([1]) * SHARD + bytes([2]) * SHARD
@@ -60,14 +62,14 @@ def test_a_missing_shard_discards_the_whole_page(sidecar, how):
     keys, _ = keys_and_announces(2, seed=50)
     rkeys = [runner.key("kv", k) for k in keys]
     fill_id = write_shard(runner, keys, 0)
-    runner.commit_shard(fill_id, 0, True)
+    runner.shards.commit(fill_id, 0, True)
     write_shard(runner, keys, 1)
     if how == "a shard fails":
-        assert runner.commit_shard(fill_id, 1, False) is False
+        assert runner.shards.commit(fill_id, 1, False) is False
     else:
         clock[0] += 6.0  # past the fill's lease
         runner.expire()
-    assert runner.lookup("kv", rkeys) == 0 and len(runner.shard_groups) == 0
+    assert runner.lookup("kv", rkeys) == 0 and len(runner.shards) == 0
     assert runner.claims.statistics().num_fills == 0
     assert runner.pools["kv"].statistics().num_free == runner.pools["kv"].capacity
 
@@ -79,3 +81,27 @@ def test_a_shard_out_of_range_or_twice_is_refused(sidecar, shard, problem):
     write_shard(runner, keys, 0)
     with pytest.raises(ShardError, match=problem):
         write_shard(runner, keys, shard)
+
+
+def test_ranks_reserving_one_batch_at_once_join_a_single_fill(sidecar):
+    """Every rank races for the same batch many times: exactly one fill is opened per batch."""
+    runner, _, _ = sidecar
+    barrier = threading.Barrier(2)
+    for seed in range(100, 140):
+        keys, _ = keys_and_announces(2, seed=seed * 8)
+        got = [None, None]
+
+        def rank(shard):
+            barrier.wait()
+            got[shard] = write_shard(runner, keys, shard, byte=shard + 1)
+
+        threads = [threading.Thread(target=rank, args=(s,)) for s in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert got[0] == got[1] is not None
+        assert runner.shards.commit(got[0], 0, True) is None and runner.shards.commit(got[0], 1, True) is True
+        rkeys = [runner.key("kv", k) for k in keys]
+        assert runner.get("kv", rkeys[:1])[0] == bytes([1]) * SHARD + bytes([2]) * SHARD
+    assert len(runner.shards) == 0 and runner.claims.statistics().num_fills == 0

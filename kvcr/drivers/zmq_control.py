@@ -165,7 +165,7 @@ class ControlServer:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
-            lane = lane_for(msg, self.runner.disks)
+            lane = lane_for(msg, self.runner.nvme.disks)
             if lane is not Lane.INLINE:
                 pool = self._slow if lane is Lane.SLOW else self._serving
                 pool.submit(self._answer_later, route, request_id, handler, msg)
@@ -233,9 +233,9 @@ class ControlServer:
         return m.Pulled(num_local=num_local)
 
     def _on_persist(self, msg: m.Persist, owner: str) -> m.Message:
-        if msg.pool not in self.runner.disks:
+        if msg.pool not in self.runner.nvme.disks:
             raise m.ProtocolError("this runner has no NVMe tier (nvme.storage_dir is not set)", code="no_nvme")
-        return m.Persisted(num_persisted=self.runner.persist(msg.pool, self._keys(msg.pool, msg.keys)))
+        return m.Persisted(num_persisted=self.runner.nvme.persist(msg.pool, self._keys(msg.pool, msg.keys)))
 
     def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
@@ -253,13 +253,13 @@ class ControlServer:
         announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
         if announces is not None and len(announces) != len(msg.keys):
             raise m.ProtocolError(f"reserve_shard has {len(msg.keys)} keys but {len(announces)} announces")
-        fill, shard_offset = self.runner.reserve_shard(msg.pool, self._keys(msg.pool, msg.keys),
+        fill, shard_offset = self.runner.shards.reserve(msg.pool, self._keys(msg.pool, msg.keys),
                                                        msg.shard, announces, lease_s=msg.lease_s or None)
         return m.ShardReserved(fill_id=fill.fill_id, offsets=self._offsets(msg.pool, fill.pages),
                                shard_offset=shard_offset)
 
     def _on_commit_shard(self, msg: m.CommitShard, owner: str) -> m.Message:
-        verdict = self.runner.commit_shard(msg.fill_id, msg.shard, bool(msg.ok))
+        verdict = self.runner.shards.commit(msg.fill_id, msg.shard, bool(msg.ok))
         return m.ShardCommitted(verdict="waiting" if verdict is None else "committed" if verdict else "discarded")
 
     def _offsets(self, pool: str, pages: list) -> list[int]:

@@ -16,6 +16,11 @@ class ShardError(ValueError):
     pass
 
 
+def check_shard(shard: int, shards: int) -> None:
+    if not 0 <= shard < shards:
+        raise ShardError(f"shard {shard} is outside 0..{shards - 1}")
+
+
 @dataclass
 class ShardGroup:
     fill_id: int
@@ -41,8 +46,7 @@ class ShardGroups:
 
     @staticmethod
     def join(group: ShardGroup, shard: int) -> None:
-        if not 0 <= shard < group.shards:
-            raise ShardError(f"shard {shard} is outside 0..{group.shards - 1}")
+        check_shard(shard, group.shards)
         if shard in group.joined:
             raise ShardError(f"shard {shard} already writes fill {group.fill_id}")
         group.joined.add(shard)

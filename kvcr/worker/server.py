@@ -141,8 +141,8 @@ class Worker:
         pool, disk = tier.dram, tier.nvme
         return {"dram_pages": pool.num_ready, "dram_capacity": pool.capacity,
                 "nvme_pages": disk.num_pages if disk is not None else 0, "page_bytes": pool.page_bytes,
-                "pulled_pages": self.service.pulls.statistics().pulled, "spilled_pages": stats.spilled,
-                "promoted_pages": stats.promoted,
+                "pulled_pages": self.service.pulls.statistics().pulled, "spilled_pages": stats.nvme.spilled,
+                "promoted_pages": stats.nvme.promoted,
                 "events": self.service.publisher.num_events}
 
     async def health(self, request: web.Request) -> web.Response:

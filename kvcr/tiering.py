@@ -1,0 +1,264 @@
+"""The NVMe tier behind DRAM: promotion, write-through, back-pressure on fills, the shutdown flush.
+
+Whether a DRAM page is DIRTY or CLEAN is PagePool state, so this owner works under the runner's
+DRAM lock (`runner.lock`, which the disk indexes share); it takes it explicitly, never holds it
+while moving bytes, and the persister thread does the writing. Design notes: docs/nvme.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from .config import Config
+from .drivers.nvme import DiskTier
+from .persist import Persister
+from .proto.disk_index import DiskIndex
+from .proto.events import Event
+from .proto.keys import StorageKey
+from .proto.pool import Keep, Page, PoolBusy, PoolError
+
+if TYPE_CHECKING:
+    from .runner import PoolLayout, Runner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStatistics:
+    """What one pool's NVMe tier counts besides its index: files, errors, latencies."""
+
+    foreign: int                                       # files in the namespace that are not pages
+    errors: tuple[tuple[str, int], ...]                # (errno name, count), sorted
+    read_latency: tuple[tuple[float, ...], tuple[int, ...], float]   # bounds, counts, total seconds
+    write_latency: tuple[tuple[float, ...], tuple[int, ...], float]
+
+
+@dataclass(frozen=True, slots=True)
+class TieringStatistics:
+    spilled: int       # DRAM pages written to NVMe (write-behind or spill)
+    skipped: int       # dirty pages already on NVMe: not rewritten
+    refused: tuple[tuple[str, int], ...]               # (reason, pages) NVMe did not take, sorted
+    promoted: int
+    fill_waits: int
+    fill_wait_s: float
+    shutdown_flush: tuple[float, int, int] | None      # seconds, pages written, pages left
+    disks: tuple[tuple[str, DiskStatistics], ...]      # per pool with an NVMe tier
+
+
+class NvmeTiering:
+    """The NVMe tier of every pool (none when nvme.storage_dir is unset: every call is then a no-op)."""
+
+    def __init__(self, runner: Runner, cfg: Config, layouts: Sequence[PoolLayout]) -> None:
+        self.runner = runner
+        self.cfg = cfg.nvme
+        self.block_size = cfg.runner.block_size
+        self.disks: dict[str, DiskTier] = {p.name: self._disk_tier(p) for p in layouts} if cfg.nvme.storage_dir else {}
+        self.written = threading.Condition(runner.lock)  # the persister settled a batch: room may exist
+        self._fill_demand: Counter[str] = Counter()  # pages waiting fills need evicted (spill writes them)
+        self.num_fill_waits = 0
+        self.fill_wait_s = 0.0
+        self.num_promoted = 0
+        self.shutdown_flush: tuple[float, int, int] | None = None
+        self.persister = self._new_persister()
+        if self.disks:
+            self.persister.start()
+
+    def _disk_tier(self, layout: PoolLayout) -> DiskTier:
+        n = self.cfg
+        index = DiskIndex(block_size=self.block_size, max_bytes=n.max_size, high_watermark=n.high_watermark,
+                          low_watermark=n.low_watermark)
+        return DiskTier(n.storage_dir, layout.namespace, page_bytes=layout.page_bytes, index=index,
+                        lock=self.runner.lock, flush=self.runner.flush_events_locked, read_workers=n.read_workers,
+                        write_workers=n.write_workers, fsync=n.fsync, min_free_space=n.min_free_space,
+                        stale_temp_age_s=n.stale_temp_age_s, verify=n.verify)
+
+    def _new_persister(self) -> Persister:
+        return Persister(self, policy=self.cfg.write_policy, batch=self.cfg.write_batch)
+
+    # --- back-pressure (called by Runner.reserve, under the lock) -------------------------------
+
+    def wait_for_writer(self, pool: str, busy: PoolBusy, deadline: float | None) -> float:
+        """Wait (lock released) until the persister settles a batch or the deadline passes; returns
+        the deadline, after which the fill may evict dirty pages (counted under `nvme_lagging`)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.cfg.dirty_wait_s
+            self.num_fill_waits += 1
+        left = deadline - time.monotonic()
+        if left > 0:
+            self._fill_demand[pool] += busy.shortfall
+            self.persister.wake.set()
+            try:
+                self.written.wait(left)
+            finally:
+                self._fill_demand[pool] -= busy.shortfall
+        else:
+            log.warning("pool %r: the NVMe writer is behind; dropping up to %d dirty pages after %.1f s",
+                        pool, busy.shortfall, self.cfg.dirty_wait_s)
+        return deadline
+
+    def waited(self, deadline: float) -> None:
+        """A fill that waited for the writer got its slots (its wait began at deadline - dirty_wait_s)."""
+        self.fill_wait_s += time.monotonic() - deadline + self.cfg.dirty_wait_s
+
+    def spill_demand(self, pool: str) -> int:
+        """Pages the spill policy should write now: what eviction wants next (under the lock)."""
+        return max(self.runner.pools[pool].over_watermark(), self._fill_demand[pool])
+
+    def settled(self) -> None:
+        """The persister settled a batch (under the lock): waiting fills look for room again."""
+        self.written.notify_all()
+
+    def committed(self) -> None:
+        """Dirty pages were committed: the persister has work."""
+        if self.disks:
+            self.persister.wake.set()
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def on_disk(self, pool: str, keys: Sequence[StorageKey]) -> list[bool]:
+        """Per key: is the page on NVMe (under the lock)."""
+        disk = self.disks.get(pool)
+        return [disk is not None and disk.name(k.page_hex) in disk.index for k in keys]
+
+    def complete_run(self, pool: str, keys: Sequence[StorageKey]) -> None:
+        """Promote the NVMe run that continues the DRAM run; the DRAM run stays pinned meanwhile,
+        so making room never evicts the head of the chain being completed."""
+        if pool not in self.disks or not self.cfg.promote:
+            return
+        runner = self.runner
+        with runner.lock:
+            p = runner.pool(pool)
+            head = p.pin_prefix(keys, len(keys))
+        try:
+            if len(head) < len(keys):
+                self.promote(pool, keys[len(head):])
+        finally:
+            with runner.lock:
+                p.unpin(head)
+
+    def promote(self, pool: str, keys: Sequence[StorageKey]) -> int:
+        """Copy the leading run of `keys` found on NVMe into DRAM. Returns pages promoted."""
+        runner, disk = self.runner, self.disks[pool]
+        hexes = [k.page_hex for k in keys]
+        n = disk.present(hexes)
+        if not n:
+            return 0
+        with runner.lock:
+            announces = [e.announce if e is not None else None
+                         for e in (disk.index.get(disk.name(h)) for h in hexes[:n])]
+        try:
+            fill = runner.reserve(pool, keys[:n], announces, lease_s=math.inf)
+        except PoolError:
+            return 0  # no room even after eviction: serve what DRAM has
+        ok = [True] * n
+        todo = [(i, p) for i, p in enumerate(fill.pages) if isinstance(p, Page)]
+        try:
+            got = disk.read_into([hexes[i] for i, _ in todo], [runner.slot_view(pool, p) for _, p in todo])
+            for j, (i, _) in enumerate(todo):
+                ok[i] = j < got
+        except BaseException:
+            ok = [False] * n
+            raise
+        finally:
+            committed = runner.commit(fill.fill_id, ok, clean=True)
+        with runner.lock:
+            runner.pool(pool).mark_clean(keys[:n])  # pages another fill committed meanwhile: NVMe has them
+            self.num_promoted += committed
+        return next((i for i, good in enumerate(ok) if not good), n)
+
+    def persist(self, pool: str, keys: Sequence[StorageKey]) -> int:
+        """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
+        runner, disk = self.runner, self.disks[pool]
+        with runner.pinned(pool, keys) as pages:
+            results = disk.write([pg.key.page_hex for pg in pages], [runner.slot_view(pool, pg) for pg in pages],
+                                 [pg.announce for pg in pages])
+            with runner.lock:
+                runner.pool(pool).mark_clean([pg.key for pg, ok in zip(pages, results) if ok])
+        return sum(results)
+
+    # --- inventory -----------------------------------------------------------------------------
+
+    def take_events(self) -> list[Event]:
+        """The disk indexes' pending events (under the lock); DRAM copies of pages NVMe let go
+        lose their keeper first, so evicting them later counts them as dropped."""
+        for name, disk in self.disks.items():
+            dropped = disk.index.take_dropped()
+            if dropped:
+                self.runner.pools[name].mark_unkept(self.runner.keys(name, [disk.page_hex(n) for n in dropped]),
+                                                    Keep.LOWER_EVICTED)
+        return [e for disk in self.disks.values() for e in disk.index.take_events()]
+
+    def inventory(self) -> list[Event]:
+        return [e for disk in self.disks.values() for e in disk.index.inventory()]
+
+    def page_hexes(self, pool: str) -> list[str]:
+        """Every page on the pool's NVMe tier (under the lock)."""
+        disk = self.disks.get(pool)
+        return [disk.page_hex(e.name) for e in disk.index.entries()] if disk is not None else []
+
+    def remove(self, pool: str, page_hexes: Sequence[str]) -> int:
+        disk = self.disks.get(pool)
+        return disk.remove(page_hexes) if disk is not None else 0
+
+    def evicted(self) -> dict[str, int]:
+        """Pages each pool's NVMe tier evicted; it is the last tier, so each one is dropped (under the lock)."""
+        return {name: disk.index.num_evicted for name, disk in self.disks.items()}
+
+    def start_scans(self) -> list[threading.Thread]:
+        return [disk.start_scan() for disk in self.disks.values()]
+
+    # --- housekeeping and shutdown ---------------------------------------------------------------
+
+    def housekeeping(self) -> None:
+        """NVMe watermark eviction (one pass); a persister thread that died is restarted."""
+        for disk in self.disks.values():
+            disk.evict_to_watermark()
+        if self.disks and not self.persister.is_alive():
+            log.error("the NVMe persister thread is gone; restarting it")
+            self.persister = self._new_persister().start()
+
+    def healthy(self) -> bool:
+        return not self.disks or self.persister.is_alive()
+
+    def flush(self) -> tuple[float, int, int]:
+        """Write every dirty DRAM page to NVMe within nvme.flush_timeout_s (at shutdown); returns
+        (seconds, pages written, pages left) and logs what did not make it."""
+        t0 = time.monotonic()
+        written, left = self.persister.flush(self.cfg.flush_timeout_s)
+        self.shutdown_flush = (time.monotonic() - t0, written, left)
+        if left:
+            log.warning("NVMe flush at shutdown: %d dirty pages not written within nvme.flush_timeout_s = %.1f s "
+                        "(lost with DRAM)", left, self.cfg.flush_timeout_s)
+        elif written:
+            log.info("NVMe flush at shutdown: %d pages written in %.2f s", written, self.shutdown_flush[0])
+        return self.shutdown_flush
+
+    def close(self) -> None:
+        """Stop the writer and close the files; the indexes forget (under the lock) what a
+        restarted runner re-announces from the files."""
+        self.persister.stop()
+        for disk in self.disks.values():
+            disk.close()
+        with self.runner.lock:
+            for disk in self.disks.values():
+                disk.index.clear()
+
+    def statistics(self) -> TieringStatistics:
+        """Counters (under the lock)."""
+        p = self.persister
+        return TieringStatistics(p.num_written, p.num_skipped, tuple(sorted(p.num_refused.items())),
+                                 self.num_promoted, self.num_fill_waits, self.fill_wait_s, self.shutdown_flush,
+                                 tuple((name, _disk_statistics(disk)) for name, disk in self.disks.items()))
+
+
+def _disk_statistics(disk: DiskTier) -> DiskStatistics:
+    def hist(h) -> tuple[tuple[float, ...], tuple[int, ...], float]:
+        return tuple(h.bounds), tuple(h.counts), h.total
+    return DiskStatistics(disk.num_foreign, tuple(sorted(disk.errors.items())), hist(disk.read_latency),
+                          hist(disk.write_latency))
