@@ -318,6 +318,18 @@ def _validate_exposure(r: RunnerConfig) -> None:
              "(docs/security.md), or runner.insecure = true to accept an open /info")
 
 
+def check_hint_sources(cfg: Config, front_host: str) -> None:
+    """A front that takes hints (a worker's HTTP server) reachable from other hosts lets any client
+    name the source to pull from: with runner.peers = "*" and no CURVE keys, a stranger's runner
+    could then put its bytes under our keys. Refused unless keys or runner.insecure say otherwise."""
+    r = cfg.runner
+    _require(r.insecure or cfg.secured or "*" not in r.peers or not _off_host(front_host),
+             f"this front listens on {front_host!r}, reachable from other hosts, and runner.peers = \"*\" "
+             "pulls from whatever source a request's hint names: set runner.keys_dir (docs/security.md) so "
+             "only runners holding the deployment keys answer, list the trusted peers in runner.peers, or "
+             "set runner.insecure = true to accept that")
+
+
 def _validate(cfg: Config) -> None:
     d, r, e = cfg.dram, cfg.runner, cfg.events
     _require(r.block_size >= 1, f"runner.block_size = {r.block_size} must be >= 1")

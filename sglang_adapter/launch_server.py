@@ -18,6 +18,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+from kvcr.config import ConfigError, check_hint_sources, load_config
 from kvcr.drivers.shm import sweep_stale
 
 from .config import KEY_TYPES, CONTROLLER_KEYS, AdapterConfig, AdapterConfigError, parse_adapter_config
@@ -75,6 +76,16 @@ def _read_extra(value: str) -> dict:
     return data
 
 
+def _check_hint_sources(adapter: AdapterConfig, host_flag: tuple[int, int, str] | None) -> None:
+    """The engine's HTTP server takes `kv_hints` naming a source: open to other hosts, its runner
+    must not pull from any source without keys (kvcr.config.check_hint_sources)."""
+    try:
+        runner = load_config(adapter.runner_config or None, {"runner.peers": ["*"], **(adapter.runner or {})})
+        check_hint_sources(runner, host_flag[2] if host_flag else "127.0.0.1")  # SGLang's default host
+    except ConfigError as exc:
+        raise LaunchError(f"the engine's runner: {exc}") from None
+
+
 def rewrite_args(argv: list[str]) -> list[str]:
     """SGLang arguments with `--hicache-storage-backend kvcr` turned into `dynamic` + extra-config."""
     found = _flag_value(argv, BACKEND_FLAG)
@@ -86,9 +97,11 @@ def rewrite_args(argv: list[str]) -> list[str]:
     extra_found = _flag_value(out, EXTRA_FLAG)
     extra = _read_extra(extra_found[2]) if extra_found else {}
     try:  # refuse a bad kvcr key now, by name, rather than deep inside a scheduler process
-        parse_adapter_config(extra)
+        adapter = parse_adapter_config(extra)
     except AdapterConfigError as exc:
         raise LaunchError(str(exc)) from None
+    if not adapter.sidecar:  # a sidecar's own config says whom it pulls from
+        _check_hint_sources(adapter, _flag_value(argv, "--host"))
     # TP > 1 and MLA engines attach every rank to the worker's sidecar runner.
     backend = {**DYNAMIC, "class_name": "KVCRSidecarStorage", "module_path": "sglang_adapter.sidecar"} \
         if extra.get("sidecar") else DYNAMIC

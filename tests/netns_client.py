@@ -16,7 +16,7 @@ import sys
 
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.config import CurveKeys
-from tests.test_service import pages_for
+from tests.pages import pages_for
 
 PAGE = 64 * 1024
 

@@ -82,6 +82,14 @@ def is_host_path(source: str) -> bool:
     return source.startswith((".", "/", "~"))
 
 
+def on_host(service: dict, args: list[str]) -> list[str]:
+    """A service's arguments with the files it mounts from the repo named by their host paths."""
+    for source, target in mounts(service):
+        if is_host_path(source):
+            args = [a.replace(target, str((DOCKER / source).resolve())) for a in args]
+    return args
+
+
 def runner_config(compose_name: str, service: dict) -> Path:
     """The kvcr runner config a service starts with: the file its command names, mounted or baked in."""
     command = " ".join(service.get("command", []))
@@ -186,8 +194,9 @@ def test_gpu_stack_agrees_on_ports_and_block_size():
             assert endpoint.startswith(f"tcp://{worker['name']}:"), endpoint
         assert worker["runner"] == cfg.runner.control_endpoint
         assert worker["url"] == f"http://{worker['name']}:{command[command.index('--port') + 1]}"
-        # The launcher accepts the command (kvcr's extra-config keys are checked, SGLang's are not).
-        args = rewrite_args(command[command.index("sglang_adapter.launch_server") + 1:])
+        # The launcher accepts the command (kvcr's extra-config keys and its runner's trust are
+        # checked, SGLang's keys are not), with the container's mounts as host paths.
+        args = rewrite_args(on_host(service, command[command.index("sglang_adapter.launch_server") + 1:]))
         assert args[args.index("--hicache-storage-backend") + 1] == "dynamic"
         assert f"{worker['name']}:{cfg.runner.http_port}" in targets
 

@@ -9,7 +9,7 @@ from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
 from tests.conftest import wait_until
 from tests.dynamo import Registration, free_port, registered_runner
-from tests.test_service import BLOCK, pages_for
+from tests.pages import BLOCK, pages_for
 
 pytestmark = pytest.mark.dynamo
 
@@ -67,7 +67,7 @@ def test_after_a_crash_and_restart_the_indexer_forgets_what_the_dead_runner_held
 
 
 def test_relayed_engine_and_runner_tiers_survive_either_side_restarting(indexer, runner_factory):
-    from tests.test_relay import FakeEngine
+    from tests.engine_stream import FakeEngine
 
     engine = FakeEngine()
     ports = {"events.endpoint": f"tcp://127.0.0.1:{free_port()}",

@@ -20,7 +20,7 @@ from kvcr.demo.procs import Child, stop_all
 from tests.cluster import SMALL_MODEL, http, router
 from tests.conftest import ROOT, RunnerProcess, wait_until
 from tests.netns import destroy_hosts, make_hosts, unavailable
-from tests.test_service import pages_for
+from tests.pages import pages_for
 
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")]
 

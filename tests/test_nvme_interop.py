@@ -10,7 +10,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
 from tests.conftest import wait_until
-from tests.test_nvme import NS, PAGE, Tier, chain
+from tests.nvme_tier import NS, PAGE, Tier, chain
 
 
 def hicache_file(directory, ns=NS):
@@ -61,7 +61,7 @@ def test_mla_pages_are_shared_by_every_rank_as_hicache_file_names_them(tmp_path,
 
 def test_a_runner_restart_serves_and_reannounces_what_survived_on_disk(runner_factory, tmp_path, indexer):
     from tests.dynamo import registered_runner
-    from tests.test_service import BLOCK, pages_for
+    from tests.pages import BLOCK, pages_for
 
     # Spill policy with room to spare: only the pages Persist writes through reach NVMe.
     proc, info, reg = registered_runner(indexer, runner_factory, **{"nvme.storage_dir": str(tmp_path / "nvme"),

@@ -5,7 +5,7 @@ import logging
 import os
 import time
 
-from tests.test_nvme import Tier
+from tests.nvme_tier import Tier
 
 LOGGER = "kvcr.drivers.nvme"
 

@@ -11,7 +11,7 @@ import pytest
 from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.proto import messages as m
 from tests.conftest import wait_until
-from tests.test_service import pages_for
+from tests.pages import pages_for
 
 PAGE = 64 * 1024
 POOLS = [{"name": "kv", "page_bytes": PAGE}]

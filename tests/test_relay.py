@@ -4,15 +4,14 @@ import signal
 import time
 
 import pytest
-import zmq
 
 from kvcr.client import AttachedWriter, ControlClient
-from kvcr.drivers.zmq_events import EventPublisher, SeqSource
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.relay import EngineMirror
 from kvcr.drivers.zmq_subscriber import Delivery, Subscriber
 from tests.conftest import wait_until
-from tests.test_service import BLOCK, pages_for
+from tests.engine_stream import FakeEngine
+from tests.pages import BLOCK, pages_for
 
 
 def gpu_stored(hashes, parent=None, block_size=BLOCK, medium="GPU"):
@@ -111,23 +110,6 @@ def test_repeated_stores_are_reference_counted():
 
 
 # --- a runner relaying a live engine stream ------------------------------------------------------------
-
-class FakeEngine:
-    """An engine-format publisher (seq from 0, replay buffer), standing in for SGLang/vLLM."""
-
-    def __init__(self, endpoint="tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0"):
-        self.ctx = zmq.Context()
-        self.pub = EventPublisher(self.ctx, endpoint=endpoint, replay_endpoint=replay,
-                                  seq=SeqSource(now_us=0), heartbeat_s=0)
-        self.pub.start()
-
-    def send(self, *events):
-        return self.pub.publish(events)
-
-    def close(self):
-        self.pub.stop()
-        self.ctx.term()
-
 
 def deliveries(sub, until, timeout_s=10.0):
     got = []

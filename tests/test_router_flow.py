@@ -9,7 +9,7 @@ from kvcr.proto import messages as m
 from router_hints.core import RouterCore
 from router_hints.discovery import DiscoveryError, fetch_runner, from_sglang_server_info
 from tests.conftest import wait_until
-from tests.test_service import BLOCK, pages_for
+from tests.pages import BLOCK, pages_for
 
 PAGE = 64 * 1024
 POOLS = [{"name": "kv", "page_bytes": PAGE}]

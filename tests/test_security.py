@@ -3,6 +3,8 @@ the region), which exposures a runner refuses to start with, and a page changed 
 runner's back after its commit, which a pull in security mode never delivers."""
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -10,10 +12,10 @@ import pytest
 import zmq
 
 from kvcr.client import AttachedWriter, ControlClient
-from kvcr.config import ConfigError, CurveKeys, load_config
+from kvcr.config import ConfigError, CurveKeys, check_hint_sources, load_config
 from kvcr.proto import messages as m
 from tests.conftest import wait_until
-from tests.test_service import pages_for
+from tests.pages import pages_for
 
 PAGE = 64 * 1024
 POOLS = [{"name": "kv", "page_bytes": PAGE}]
@@ -177,3 +179,30 @@ def test_a_key_directory_secures_a_runner_and_its_clients(runner_factory, tmp_pa
     (directory / "http.token").write_text("short\n")
     with pytest.raises(keys.KeysError, match="http.token must hold a token of at least 16 characters"):
         keys.load(directory)
+
+
+@pytest.mark.parametrize("front_host, overrides, refused", [
+    ("0.0.0.0", {"runner.peers": ["*"]}, True),
+    ("10.0.0.2", {"runner.peers": ["*"]}, True),
+    ("127.0.0.1", {"runner.peers": ["*"]}, False),
+    ("0.0.0.0", {"runner.peers": ["tcp://10.0.0.3:5600"]}, False),
+    ("0.0.0.0", {"runner.peers": ["*"], "runner.insecure": True}, False),
+])
+def test_a_front_open_to_other_hosts_may_not_take_hints_naming_any_source_without_keys(front_host, overrides,
+                                                                                        refused):
+    cfg = load_config(None, overrides)
+    if refused:
+        with pytest.raises(ConfigError, match=f"listens on '{front_host}'.*runner.peers = \"\\*\""):
+            check_hint_sources(cfg, front_host)
+    else:
+        check_hint_sources(cfg, front_host)
+
+
+def test_with_keys_any_hinted_source_must_hold_the_deployment_keys(curve_pair):
+    check_hint_sources(load_config(None, {"runner.peers": ["*"], **curve_pair[0]}), "0.0.0.0")
+
+
+def test_a_worker_open_to_other_hosts_without_keys_refuses_to_start(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvcr.cli", "worker", "--host", "0.0.0.0", "--port", "0",
+                           "--set", f"runner.state_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "runner.peers = \"*\" pulls from whatever source" in proc.stderr

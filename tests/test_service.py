@@ -14,22 +14,11 @@ import zmq
 from kvcr.client import fetch_info
 from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.proto import messages as m
-from kvcr.proto.announce import announce_request
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvcr.proto.keys import request_page_hashes
 from kvcr.selfcheck import run_selfcheck
 from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from tests.conftest import ROOT, wait_until
-
-BLOCK = 16
-
-
-def pages_for(n, seed=0, page_bytes=65536, salt=None):
-    rng = random.Random(seed)
-    tokens = [rng.randrange(50000) for _ in range(n * BLOCK)]
-    return (request_page_hashes(tokens, BLOCK, cache_salt=salt), announce_request(tokens, BLOCK, cache_salt=salt),
-            [rng.randbytes(page_bytes) for _ in range(n)])
-
+from tests.pages import BLOCK, pages_for
 
 def collect(sub, until, timeout_s=10.0):
     """Deliveries and notices until `until(items)` is true."""

@@ -284,3 +284,20 @@ def test_a_salted_requests_backup_is_announced_with_the_hashes_the_engine_publis
     assert [h for e in stored for h in e.block_hashes] == event_hashes(tokens, PAGE, extra_key="lora-x",
                                                                       cache_salt="salt")
     assert stored[0].lora_name == "lora-x" and stored[0].cache_salt == "salt"
+
+
+@pytest.mark.parametrize("extra, host, refused", [
+    ({}, ["--host", "0.0.0.0"], True),
+    ({}, [], False),  # SGLang's default host is loopback
+    ({"runner": {"runner.peers": ["tcp://10.0.0.3:5600"]}}, ["--host", "0.0.0.0"], False),
+    ({"runner": {"runner.insecure": True}}, ["--host", "0.0.0.0"], False),
+    ({"sidecar": "tcp://127.0.0.1:5600"}, ["--host", "0.0.0.0"], False),  # the sidecar's config decides
+])
+def test_an_engine_open_to_other_hosts_without_keys_may_not_pull_from_any_hinted_source(extra, host, refused):
+    argv = ["--model-path", "m", *host, "--hicache-storage-backend", "kvcr",
+            "--hicache-storage-backend-extra-config", json.dumps(extra)]
+    if refused:
+        with pytest.raises(LaunchError, match="the engine's runner: .*runner.peers = \"\\*\" pulls from"):
+            rewrite_args(argv)
+    else:
+        rewrite_args(argv)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import load_config
+from ..config import check_hint_sources, load_config
 from ..service import Service
 from .engine import POOL, Engine
 from .model import TinyLM
@@ -32,6 +32,7 @@ def build(args: argparse.Namespace, overrides: dict) -> Worker:
     forced = {"runner.block_size": args.page_size, "namespace.model": model_name, "namespace.dtype": "float32",
               "dram.pools": [{"name": POOL, "page_bytes": model_cfg.page_bytes(args.page_size)}]}
     cfg = load_config(args.config, {"runner.name": args.name, "runner.peers": ["*"], **overrides, **forced})
+    check_hint_sources(cfg, args.host)
     service = Service(cfg).start()
     try:
         engine = Engine(TinyLM(model_cfg), service.runner, service.pulls, args.page_size)

@@ -16,7 +16,7 @@ from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM
 from kvcr.dynamo.local import free_port
 from tests.dynamo_live.conftest import MODEL, TOKENIZER, prompt, wait_for
 from tests.dynamo_live.conftest import full_blocks as blocks
-from tests.test_service import pages_for
+from tests.pages import pages_for
 
 CONVERGE_S = 10  # the bound: Dynamo's view matches the runner within 10 s
 
