@@ -93,9 +93,9 @@ def test_ctrl_c_stops_everything_within_ten_seconds(tmp_path, moment):
 @pytest.mark.parametrize("found", [None, "0.5.22"])
 def test_the_sglang_variant_without_sglang_0_5_23_names_make_sglang_setup(tmp_path, monkeypatch, capsys, found):
     from kvcr import cli
-    from kvcr.demo import sglang_engines
+    from sglang_adapter import demo
 
-    monkeypatch.setattr(sglang_engines, "installed_sglang", lambda: found)
+    monkeypatch.setattr(demo, "installed_sglang", lambda: found)
     assert cli.main(["demo", "--engine", "sglang", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "make sglang-setup" in err and "0.5.23" in err and (found or "not installed") in err

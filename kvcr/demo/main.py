@@ -2,7 +2,8 @@
 served from cached KV against the oracle, then write summary.json and chart.png.
 
 `--engine worker` (the default) runs `kvcr worker` processes; `--engine sglang` runs live SGLang
-0.5.23 engines with kvcr's backend instead (kvcr/demo/sglang_engines.py)."""
+0.5.23 engines with kvcr's backend instead (sglang_adapter/demo.py, found through the
+`kvcr.demos` entry point)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import sys
 import tempfile
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from ..drivers.shm import sweep_stale
@@ -26,6 +28,7 @@ ENGINES = ("worker", "sglang")
 ROUTERS = ("kvcr", "dynamo")
 # --engine sglang's own defaults for the options not given (argparse holds the worker's)
 SGLANG_DEFAULTS = {"workers": 2, "dram": "1Mi"}
+DEMOS_GROUP = "kvcr.demos"  # engine name -> a callable returning its Demo class (pyproject.toml)
 
 
 class _Given(argparse.Action):
@@ -61,12 +64,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live table")
 
 
+class DemoUnavailable(RuntimeError):
+    """An engine's demo cannot run here; the message names the fix."""
+
+
+def contributed_demo(engine: str) -> type["Demo"]:
+    """The Demo class a package above kvcr contributes for `engine` (SGLang's: sglang_adapter)."""
+    found = [e for e in entry_points(group=DEMOS_GROUP) if e.name == engine]
+    if not found:
+        raise DemoUnavailable(f"no package provides the {engine!r} engine's demo (entry point group "
+                              f"{DEMOS_GROUP!r}); reinstall kvcr with `make setup`")
+    try:
+        prepare = found[0].load()
+    except ImportError as exc:
+        raise DemoUnavailable(f"the {engine!r} engine's demo ({found[0].value}) cannot be imported: {exc}") from None
+    return prepare()
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 class Demo:
-    """The `kvcr worker` variant; SGLangDemo (sglang_engines.py) replaces the engines."""
+    """The `kvcr worker` variant; SGLangDemo (sglang_adapter/demo.py) replaces the engines."""
 
     engine = "worker"
     router_kind = "kvcr"
@@ -321,14 +341,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         demo_class = DynamoDemo
     if args.engine == "sglang":
-        from .sglang_engines import SGLangDemo, SGLangMissing, require_sglang
-
         try:
-            require_sglang()
-        except SGLangMissing as exc:
+            demo_class = contributed_demo("sglang")
+        except DemoUnavailable as exc:
             _say(f"kvcr demo --engine sglang: {exc}")
             return 2
-        demo_class = SGLangDemo
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("summary.json", "chart.png"):

@@ -146,7 +146,7 @@ class SGLangCluster:
     vocab = SGLANG_VOCAB
 
     def __init__(self, workers: int, *, page_size: int, dram: str, run_dir: Path, longest_tokens: int) -> None:
-        from kvcr.demo.sglang_engines import require_sglang
+        from sglang_adapter.demo import require_sglang
 
         require_sglang()
         self.run_dir, self.page_size = run_dir, page_size
@@ -164,7 +164,7 @@ class SGLangCluster:
         return 2 * 2 * 2 * 16 * 2 * page_size  # the tiny model: 2 layers x K, V x 2 KV heads x 16 dims x bf16
 
     def start(self) -> "SGLangCluster":
-        from kvcr.demo.sglang_engines import build_model_apart, router_config
+        from sglang_adapter.demo import build_model_apart, router_config
         from sglang_adapter.cpu_harness.server import LiveServer
 
         build_model_apart(self.model_dir, 0)

@@ -4,6 +4,8 @@ in-process runner), behind the same `kvcr router`, checked against a cold refere
 
 The engines come from the development-only CPU harness (sglang_adapter.cpu_harness): a tiny random
 Llama built locally, and the patches that let SGLang's CUDA-only host-pool code run on a CPU.
+`kvcr demo` finds this variant through the `kvcr.demos` entry point (pyproject.toml): kvcr itself
+imports nothing of sglang_adapter.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ..drivers.ucx_env import SINGLE_HOST_UCX_ENV
-from .main import Demo, _say
-from .sglang_driver import metric, runner_metrics
+from kvcr.demo.main import Demo, DemoUnavailable, _say
+from kvcr.demo.sglang_driver import metric, runner_metrics
+from kvcr.drivers.ucx_env import SINGLE_HOST_UCX_ENV
 
 SGLANG_VERSION = "0.5.23"
 STOP_S = 8.0  # the router's and driver's grace after SIGTERM (as for the worker variant)
@@ -35,7 +37,7 @@ ENGINE_STOP_S = 3.0
 INIT_RANGE = 0.3
 
 
-class SGLangMissing(RuntimeError):
+class SGLangMissing(DemoUnavailable):
     pass
 
 
@@ -64,6 +66,13 @@ def require_sglang() -> None:
                             "dependencies, into .venv), then `.venv/bin/kvcr demo --engine sglang`.")
 
 
+def prepare() -> type[Demo]:
+    """`kvcr demo --engine sglang`'s class, once SGLang 0.5.23 is known to be there (SGLangMissing
+    otherwise, naming `make sglang-setup`)."""
+    require_sglang()
+    return SGLangDemo
+
+
 def build_demo_model(directory: Path, *, seed: int = 0) -> Path:
     """The harness's tiny Llama and tokenizer (2 layers x 64, bf16, BOS-adding), weights at INIT_RANGE."""
     from sglang_adapter.cpu_harness.model import build_model
@@ -73,7 +82,7 @@ def build_demo_model(directory: Path, *, seed: int = 0) -> Path:
 
 def build_model_apart(directory: Path, seed: int) -> None:
     """build_demo_model in a process of its own: torch and transformers stay out of the caller's memory."""
-    built = subprocess.run([sys.executable, "-m", "kvcr.demo.sglang_engines", "build-model", str(directory),
+    built = subprocess.run([sys.executable, "-m", "sglang_adapter.demo", "build-model", str(directory),
                             str(seed)], capture_output=True, text=True)
     if built.returncode != 0:
         raise RuntimeError(f"building the model failed (exit {built.returncode}):\n{built.stderr[-3000:]}")
@@ -228,7 +237,7 @@ def _signal_group(engine, sig: int) -> None:
         pass
 
 
-if __name__ == "__main__":  # python -m kvcr.demo.sglang_engines build-model DIR SEED
+if __name__ == "__main__":  # python -m sglang_adapter.demo build-model DIR SEED
     if len(sys.argv) != 4 or sys.argv[1] != "build-model":
-        sys.exit("usage: python -m kvcr.demo.sglang_engines build-model DIR SEED")
+        sys.exit("usage: python -m sglang_adapter.demo build-model DIR SEED")
     build_demo_model(Path(sys.argv[2]), seed=int(sys.argv[3]))
