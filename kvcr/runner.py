@@ -154,6 +154,10 @@ class Runner:
         digest = self.layouts[pool].namespace.digest  # once per request, not per page
         return [storage_key(h, digest) for h in page_hexes]
 
+    def capacity(self, pool: str) -> int:
+        """Slots in the pool (fixed at start)."""
+        return self.pool(pool).capacity
+
     def offset(self, pool: str, slot: int) -> int:
         layout = self.layouts[pool]
         return layout.offset + slot * layout.stride

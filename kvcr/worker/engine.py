@@ -162,7 +162,7 @@ class Engine:
     def _store(self, kv: KV, keys: list[str], announces: list[Announce], first: int, full: int) -> int:
         """Back up the new pages (at most half the pool per request); a full pool costs the backup,
         never the request."""
-        full = min(full, first + max(1, self.runner.pools[POOL].capacity // 2))
+        full = min(full, first + max(1, self.runner.capacity(POOL) // 2))
         if first >= full:
             return 0
         packed = pack_pages(kv, first, full - first, self.page_size)
