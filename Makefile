@@ -19,7 +19,7 @@ SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors=
 SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-client jsonschema xgrammar==0.2.9 \
 	soundfile
 
-.PHONY: demo test setup sglang-setup dynamo-setup system-deps dynamo-system-deps bench clean
+.PHONY: demo test setup sglang-setup dynamo-setup system-deps dynamo-system-deps bench fuzz clean
 
 # torch is named in the same install so pip keeps the CPU build instead of resolving another one.
 $(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
@@ -90,6 +90,13 @@ bench: sglang-setup dynamo-setup
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live.py
 	$(PIP) install py-spy
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live_profile.py
+
+# Coverage-guided campaigns over every decoder of outside input (tests/fuzz/); their corpora are
+# replayed by the suite. FUZZ_SECONDS per target.
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	$(PIP) install atheris==3.0.0
+	$(VENV)/bin/python -m tests.fuzz.campaign --seconds $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info

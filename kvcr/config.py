@@ -74,7 +74,7 @@ def _decode(cls: type, key: str, raw: Any) -> Any:
         raise ConfigError(f"{key or 'config'} must be a table, got {raw!r}")
     hints = get_type_hints(cls)
     names = {f.name for f in fields(cls)}
-    for unknown in sorted(set(raw) - names):
+    for unknown in sorted(set(raw) - names, key=repr):  # keys of any type: named, not compared
         raise ConfigError(f"unknown key {_join(key, unknown) or repr(unknown)} = {raw[unknown]!r}")
     values = {}
     for name in names & set(raw):

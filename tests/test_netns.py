@@ -227,3 +227,39 @@ def test_a_source_partitioned_while_it_holds_claims_ends_them_by_lease_and_serve
     finally:
         h1.link(True)
     assert wait_until(lambda: pull(cluster, keys) == PAGES, 30, 0.5, "b pulls once a is reachable again")
+
+
+def listening(host, pid: int) -> set[str]:
+    """The addresses (host:port) a process listens on for TCP, seen from inside its host."""
+    lines = host.sh("ss -Hltnp").splitlines()
+    return {line.split()[3] for line in lines if f"pid={pid}," in line}
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_ucx_listens_only_on_the_cluster_interface_it_is_pinned_to(hosts, tmp_path, curve_keys, pinned):
+    """h1 gets a second interface; a runner pinned to eth0 (`runner.ucx_interface`) opens UCX's
+    listener there alone. Unpinned (the control case) UCX listens on the other one too."""
+    h1 = hosts[0]
+    # A second interface on h1 (a veth pair: this kernel has no dummy devices).
+    h1.sh("ip link add side0 type veth peer name side1 && ip addr add 10.199.0.1/24 dev side0 "
+          "&& ip link set side0 up && ip link set side1 up")
+    public, secret = curve_keys
+    keys = {**host_runner_keys(h1, public, secret), "runner.ucx_interface": "eth0" if pinned else ""}
+    env = {k: v for k, v in host_env(public, secret).items() if k != "UCX_NET_DEVICES"}
+    proc = RunnerProcess(tmp_path, "a", {"dram.pools": [{"name": "kv", "page_bytes": PAGE}], **keys}, env=env,
+                         wrap=h1.wrap())
+    try:
+        info = proc.start()
+        with ControlClient(info["endpoints"]["control"], curve=CurveKeys(public.encode(), secret.encode(),
+                                                                         frozenset())) as client:
+            wait_until(lambda: client.info()["ucx"]["rkeys"], 10, 0.05, "UCX registration")
+        ours = {f"{h1.address}:{port}" for port in (5600, 5557, 5558, 9400)}  # control, events, replay, HTTP
+        ucx = {addr.rsplit(":", 1)[0] for addr in listening(h1, proc.proc.pid) - ours}
+        assert ucx, "UCX opened no listener"
+        if pinned:
+            assert ucx == {h1.address}, ucx
+        else:
+            assert "10.199.0.1" in ucx, ucx
+    finally:
+        proc.stop(timeout_s=10)
+

@@ -324,6 +324,51 @@ def test_a_puller_pulls_again_after_its_source_dies_mid_transfer_any_number_of_t
     no_claims_left(ai)
 
 
+def kill_while_its_claim_is_held(dest, dest_info, source_info, keys, attempts=5) -> None:
+    """SIGKILL a destination runner whose pull of `keys` holds a claim at the source at that moment
+    (stopped first, so the claim cannot be released between the check and the kill)."""
+    for _ in range(attempts):
+        with ControlClient(dest_info["endpoints"]["control"]) as client:  # a caught-too-late pull's pages
+            client.request(m.Remove(pool="kv", keys=keys))
+        threading.Thread(target=lambda: _pull_until_killed(dest_info, source_info, keys), daemon=True).start()
+        try:
+            wait_until(lambda: claims_held(source_info) >= 1, 3, 0.002, "the destination's claim")
+        except AssertionError:
+            continue
+        dest.proc.send_signal(signal.SIGSTOP)
+        if claims_held(source_info) >= 1:
+            dest.proc.send_signal(signal.SIGKILL)
+            dest.proc.wait(5)
+            return
+        dest.proc.send_signal(signal.SIGCONT)  # it finished first: try again
+        no_claims_left(source_info)
+    pytest.fail(f"no pull was caught holding its claim in {attempts} attempts")
+
+
+def _pull_until_killed(dest_info, source_info, keys) -> None:
+    try:
+        pull(dest_info, source_info, keys, timeout_s=10)
+    except (ControlError, TimeoutError, OSError):
+        pass  # killed mid-request
+
+
+@pytest.mark.parametrize("transfer", ["get", "tag", "shm"])
+def test_a_destination_killed_mid_pull_leaves_no_claim_past_its_lease_and_its_source_serving(runner_factory, puller,
+                                                                                            transfer):
+    a, ai = source(runner_factory, **{"dram.size": "160Mi", "runner.lease_seconds": 2.0})
+    keys, _, data = store(ai, 1024, seed=23)
+    b = runner_factory("b", **{"dram.pools": POOLS, "dram.size": "160Mi", "runner.peers": ["*"],
+                               "runner.transfer": transfer})
+    bi = b.start()
+    wait_registered(bi)
+    kill_while_its_claim_is_held(b, bi, ai, keys)
+    wait_until(lambda: claims_held(ai) == 0, 2.0 + 3, 0.05, "the dead destination's claim ended by its lease")
+    raw, dests = buffers(1024)
+    assert puller.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 1024
+    assert raw.raw[:1024 * PAGE] == b"".join(data)
+    no_claims_left(ai)
+
+
 @pytest.mark.parametrize("transfer", ["get", "tag", "shm", "auto"])
 def test_both_transfers_deliver_the_same_bytes_scattered_over_the_destination(runner_factory, puller, transfer):
     a, ai = source(runner_factory)

@@ -44,6 +44,41 @@ SCAN_BATCH = 1024
 VERIFY_MODES = ("first_read", "always", "never")
 
 
+ManifestRecords = dict[str, tuple[int, int | None, "Announce | None"]]
+
+
+def parse_manifest(data: bytes) -> tuple[ManifestRecords, int]:
+    """The manifest's live records (name -> size, digest, announce) and how many records were bad.
+
+    Records are length-prefixed msgpack `["put", name, size, digest, announce]` or `["del", name]`;
+    a torn final record (a crash while appending) ends the file, a bad one is counted and skipped."""
+    out: ManifestRecords = {}
+    bad, pos = 0, 0
+    while pos + 4 <= len(data):
+        (n,) = _RECORD.unpack_from(data, pos)
+        if pos + 4 + n > len(data):
+            break
+        try:
+            _apply_record(out, msgpack.unpackb(data[pos + 4:pos + 4 + n]))
+        except (ValueError, TypeError, msgpack.UnpackException):  # EventError is a ValueError
+            bad += 1
+        pos += 4 + n
+    return out, bad
+
+
+def _apply_record(out: ManifestRecords, rec: object) -> None:
+    if not isinstance(rec, list) or not rec or rec[0] not in ("put", "del") or len(rec) != (5 if rec[0] == "put" else 2) \
+            or not isinstance(rec[1], str):
+        raise ValueError(f"not a manifest record: {rec!r:.80}")
+    if rec[0] == "del":
+        out.pop(rec[1], None)
+        return
+    _, name, size, page_digest, announce = rec
+    if type(size) is not int or size < 0 or not (page_digest is None or type(page_digest) is int):
+        raise ValueError(f"manifest record for {name!r}: size {size!r:.20} or digest {page_digest!r:.20} is not a count")
+    out[name] = (size, page_digest, Announce.from_wire(announce) if announce else None)
+
+
 class DiskError(RuntimeError):
     pass
 
@@ -191,26 +226,13 @@ class DiskTier:
                 os.close(fd)
 
     def read_manifest(self) -> dict[str, tuple[int, int | None, Announce | None]]:
-        out: dict[str, tuple[int, int | None, Announce | None]] = {}
         try:
             data = (self.dir / MANIFEST).read_bytes()
         except FileNotFoundError:
-            return out
-        pos = 0
-        while pos + 4 <= len(data):
-            (n,) = _RECORD.unpack_from(data, pos)
-            if pos + 4 + n > len(data):
-                break  # a torn final record (crash while appending)
-            try:
-                rec = msgpack.unpackb(data[pos + 4:pos + 4 + n])
-                if rec[0] == "put":
-                    out[rec[1]] = (rec[2], rec[3], Announce.from_wire(rec[4]) if rec[4] else None)
-                elif rec[0] == "del":
-                    out.pop(rec[1], None)
-            except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):  # EventError is a ValueError
-                self.errors["manifest_record"] += 1
-            pos += 4 + n
-        return out
+            return {}
+        records, bad = parse_manifest(data)
+        self.errors["manifest_record"] += bad
+        return records
 
     def compact_manifest(self) -> None:
         """Rewrite the manifest from the index. Under the manifest lock, so no append is lost; our

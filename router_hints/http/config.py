@@ -56,7 +56,7 @@ def _typed(key: str, value: Any, tp: type) -> Any:
 def _section(raw: Any, key: str, spec: dict[str, tuple[type, Any]]) -> dict:
     if not isinstance(raw, dict):
         raise RouterConfigError(f"{key} must be a table")
-    unknown = sorted(set(raw) - set(spec))
+    unknown = sorted(set(raw) - set(spec), key=repr)  # keys of any type: named, not compared
     if unknown:
         raise RouterConfigError(f"{key}.{unknown[0]} is not a known key (known: {', '.join(sorted(spec))})")
     return {k: _typed(f"{key}.{k}", raw.get(k, default), tp) for k, (tp, default) in spec.items()}
@@ -89,7 +89,7 @@ def parse_worker(raw: Any, key: str = "worker") -> WorkerEntry:
 
 
 def parse_router_config(raw: dict) -> RouterConfig:
-    unknown = sorted(set(raw) - {"router", "cost", "workers"})
+    unknown = sorted(set(raw) - {"router", "cost", "workers"}, key=repr)
     if unknown:
         raise RouterConfigError(f"{unknown[0]} is not a known section (router, cost, workers)")
     r = _section(raw.get("router", {}), "router", ROUTER_KEYS)
