@@ -279,6 +279,11 @@ class Runner:
             on_disk = self.nvme.on_disk(pool, keys)
         return [TIER_DRAM if d else TIER_NVME if n else TIER_ABSENT for d, n in zip(in_dram, on_disk)]
 
+    def touch(self, pool: str, keys: Sequence[StorageKey]) -> None:
+        """The pages were used elsewhere (an engine's own copy served them): most recent in DRAM."""
+        with self.lock:
+            self.pool(pool).touch(keys)
+
     def claim(self, pool: str, keys: Sequence[StorageKey], *, owner: str = "local", lease_s: float | None = None) -> Claim:
         """Pin the leading present pages; NVMe pages right after the DRAM run are promoted first."""
         self.nvme.complete_run(pool, keys)

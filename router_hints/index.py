@@ -10,23 +10,27 @@ engine's own hash is kept per worker as an identity for parent links, removals a
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_, neg
 
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.keys import U64_MASK
-from kvcr.proto.tokenhash import dynamo_chain_hash, dynamo_local_block_hashes, dynamo_sequence_hashes
+from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
 
 TIERS = ("device", "host", "disk")
-_MEDIUM_TIER = {None: "device", "GPU": "device", "DEVICE": "device",
-                "CPU": "host", "CPU_PINNED": "host", "CPU_TIER1": "host",
-                "CPU_TIER2": "disk", "DISK": "disk", "NVME": "disk", "STORAGE": "disk",
-                "EXTERNAL": "disk", "SHARED": "disk", "REMOTE": "disk", "NETWORK": "disk"}
+_DEVICE, _HOST, _DISK = range(3)
+_MEDIUM_TIER = {None: _DEVICE, "GPU": _DEVICE, "DEVICE": _DEVICE,
+                "CPU": _HOST, "CPU_PINNED": _HOST, "CPU_TIER1": _HOST,
+                "CPU_TIER2": _DISK, "DISK": _DISK, "NVME": _DISK, "STORAGE": _DISK,
+                "EXTERNAL": _DISK, "SHARED": _DISK, "REMOTE": _DISK, "NETWORK": _DISK}
 
 Worker = tuple[str, int]  # (worker id, DP rank)
-# The tier classes matching walks (device; device or host; anywhere), and which hold each tier.
-_TIERS_IN = (("device",), ("device", "host"), ("device", "host", "disk"))
-_CLASSES_OF = {tier: tuple(i for i, tiers in enumerate(_TIERS_IN) if tier in tiers) for tier in TIERS}
+# Matching reads three tier classes: device; device or host; anywhere. A worker owns three
+# adjacent bits ("lanes") of each block's mask, one per class; a copy in tier t sets lanes t..2.
+_TIER_LANES = (0b111, 0b110, 0b100)
+_EXTERNAL = 0  # a held entry: [the publisher's own hash (u64), device, host, disk refcounts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +47,11 @@ class Overlap:
 
 
 @dataclass
-class _Held:
-    external: int                    # the publisher's own hash (u64) for this block
-    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # tier -> refcount
-
-
-@dataclass
 class _WorkerState:
-    # engine hash (u64) -> our content sequence hash, per tier refcounts are on the sequence entry
+    # engine hash (u64) -> our content sequence hash
     by_external: dict[int, int] = field(default_factory=dict)
-    held: dict[int, _Held] = field(default_factory=dict)  # sequence hash -> what this worker holds
+    # sequence hash -> [external, device, host, disk]: a flat list, as ingest makes one per block
+    held: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,13 +61,12 @@ class InventoryIndex:
     num_ignored: int = 0          # events a router must drop (unknown medium, wrong block size ...)
     num_unknown_parent: int = 0
     _workers: dict[Worker, _WorkerState] = field(default_factory=dict)
-    # Matching walks a request once per tier class with one integer AND per block: every worker
-    # gets a bit, and each block a mask of the workers holding it on device / device or host / anywhere.
+    # Matching is one integer AND per block: every worker gets a lane base (1 << 3k), and each
+    # block a mask of which workers hold it on device / device or host / anywhere (their lanes).
     _bits: dict[Worker, int] = field(default_factory=dict)
     _free_bits: list[int] = field(default_factory=list)
     _next_bit: int = 0
-    _masks: tuple[dict[int, int], dict[int, int], dict[int, int]] = field(
-        default_factory=lambda: ({}, {}, {}))
+    _masks: dict[int, int] = field(default_factory=dict)
 
     # --- ingest -----------------------------------------------------------------------------
 
@@ -100,40 +98,45 @@ class InventoryIndex:
         local = dynamo_local_block_hashes(event.token_ids[:self.block_size * len(event.block_hashes)],
                                           self.block_size, lora_name=event.lora_name,
                                           cache_namespace=event.cache_salt or _vllm_salt(event))
-        bit = self._bit(worker)
+        lanes, masks, slot = self._bit(worker) * _TIER_LANES[tier], self._masks, tier + 1
         by_external, holding = state.by_external, state.held
-        for external, content in zip(event.block_hashes, local):
-            seq = content if parent_seq is None else dynamo_chain_hash(parent_seq, content)
+        for external, seq in zip(event.block_hashes, dynamo_sequence_hashes(local, parent_seq)):
             external &= U64_MASK
             by_external[external] = seq
             held = holding.get(seq)
             if held is None:
-                held = holding[seq] = _Held(external)
-            counts = held.counts
-            if not counts[tier]:
-                self._tier_added(bit, seq, tier)
-            counts[tier] += 1
-            parent_seq = seq
+                held = holding[seq] = [external, 0, 0, 0]
+            if not held[slot]:  # the tier's first copy: the block joins its classes
+                masks[seq] = masks.get(seq, 0) | lanes
+            held[slot] += 1
 
     def _removed(self, worker: Worker, state: _WorkerState, event: BlockRemoved) -> None:
         tier = _MEDIUM_TIER.get(event.medium)
         if tier is None:
             self.num_ignored += 1
             return
-        bit = self._bits.get(worker)
+        bit, slot, masks = self._bits.get(worker, 0), tier + 1, self._masks
         by_external, holding = state.by_external, state.held
         for external in event.block_hashes:
             external &= U64_MASK
             seq = by_external.get(external)
             held = holding.get(seq) if seq is not None else None
-            left = held.counts.get(tier, 0) - 1 if held is not None else -1
-            if left < 0:
+            if held is None or not held[slot]:
                 continue
-            held.counts[tier] = left
-            if left:
+            held[slot] -= 1
+            if held[slot]:
                 continue
-            self._tier_dropped(bit, seq, held, tier)
-            if not any(held.counts.values()):
+            # The tier's last copy went: the block leaves each class from that tier up, until
+            # one still holds it (a class holds every tier below it).
+            _, device, host, disk = held
+            present = (device, device or host, device or host or disk)
+            drop = 0
+            for c in range(tier, 3):
+                if present[c]:
+                    break
+                drop |= bit << c
+            _clear_bit(masks, seq, drop)
+            if not present[2]:
                 del holding[seq]
                 del by_external[external]
 
@@ -146,31 +149,15 @@ class InventoryIndex:
         if bit is None:
             return
         for seq in state.held:
-            for masks in self._masks:
-                _clear_bit(masks, seq, bit)
+            _clear_bit(self._masks, seq, bit * 0b111)
         self._free_bits.append(bit)  # clear everywhere now: reuse it
 
     def _bit(self, worker: Worker) -> int:
         bit = self._bits.get(worker)
         if bit is None:
-            bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << self._next_bit
-            self._next_bit += bit == 1 << self._next_bit
+            bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << (3 * self._next_bit)
+            self._next_bit += bit == 1 << (3 * self._next_bit)
         return bit
-
-    # Only a tier's first copy or its last going changes which tier classes hold a block.
-    def _tier_added(self, bit: int, seq: int, tier: str) -> None:
-        for i in _CLASSES_OF[tier]:
-            masks = self._masks[i]
-            masks[seq] = masks.get(seq, 0) | bit
-
-    def _tier_dropped(self, bit: int, seq: int, held: _Held, tier: str) -> None:
-        get = held.counts.get
-        device = get("device", 0) > 0
-        host = device or get("host", 0) > 0
-        present = (device, host, host or get("disk", 0) > 0)
-        for i in _CLASSES_OF[tier]:
-            if not present[i]:
-                _clear_bit(self._masks[i], seq, bit)
 
     def remove_worker(self, worker_id: str) -> None:
         for worker in [w for w in self._workers if w[0] == worker_id]:
@@ -187,10 +174,14 @@ class InventoryIndex:
         """Per worker holding the first block: its device / host / disk continuation depths."""
         if not seq_hashes:
             return {}
-        dev, dh, anywhere = (_depths(masks, seq_hashes) for masks in self._masks)
-        by_bit = {bit: worker for worker, bit in self._bits.items()}
-        return {by_bit[bit]: Overlap(dev.get(bit, 0), dh.get(bit, 0) - dev.get(bit, 0), depth - dh.get(bit, 0))
-                for bit, depth in anywhere.items()}
+        depths = _depths(self._masks, seq_hashes)
+        out = {}
+        for worker, bit in self._bits.items():
+            anywhere = depths.get(bit << 2)
+            if anywhere:
+                device, device_or_host = depths.get(bit, 0), depths.get(bit << 1, 0)
+                out[worker] = Overlap(device, device_or_host - device, anywhere - device_or_host)
+        return out
 
     def external_hashes(self, worker: Worker, seq_hashes: list[int]) -> list[int]:
         """The worker's own published hashes (u64) for the leading blocks it holds."""
@@ -200,7 +191,7 @@ class InventoryIndex:
             h = held.get(seq)
             if h is None:
                 break
-            out.append(h.external)
+            out.append(h[_EXTERNAL])
         return out
 
     def workers(self) -> list[Worker]:
@@ -210,8 +201,8 @@ class InventoryIndex:
         return sum(len(s.held) for s in self._workers.values())
 
 
-def _clear_bit(masks: dict[int, int], seq: int, bit: int) -> None:
-    mask = masks.get(seq, 0) & ~bit
+def _clear_bit(masks: dict[int, int], seq: int, bits: int) -> None:
+    mask = masks.get(seq, 0) & ~bits
     if mask:
         masks[seq] = mask
     else:
@@ -219,25 +210,22 @@ def _clear_bit(masks: dict[int, int], seq: int, bit: int) -> None:
 
 
 def _depths(masks: dict[int, int], seq_hashes: list[int]) -> dict[int, int]:
-    """Bit -> how many leading blocks of the request that worker holds (in this tier class)."""
-    get = masks.get
-    active = get(seq_hashes[0], 0)
+    """Lane bit -> how many leading blocks of the request that worker holds in that tier class.
+
+    The running AND of the blocks' masks only loses bits, so it never grows as a number: it is
+    built at C speed (map, accumulate) and each holder's depth is found by bisection, not a walk."""
+    held = list(accumulate(map(masks.get, seq_hashes, repeat(0, len(seq_hashes))), and_))
     out: dict[int, int] = {}
-    for i, seq in enumerate(seq_hashes):
-        still = active & get(seq, 0)
-        if still != active:
-            gone = active & ~still
-            while gone:
-                low = gone & -gone
-                out[low] = i
-                gone ^= low
-            active = still
-            if not active:
-                return out
-    while active:
-        low = active & -active
-        out[low] = len(seq_hashes)
-        active ^= low
+    start, value = 0, held[0]
+    while value:
+        end = bisect_right(held, -value, lo=start, key=neg)  # the first block this set stops holding
+        left = held[end] if end < len(held) else 0
+        gone = value & ~left
+        while gone:
+            low = gone & -gone
+            out[low] = end
+            gone ^= low
+        start, value = end, left
     return out
 
 

@@ -1,4 +1,4 @@
-"""Three small hooks into SGLang 0.5.23 that stock SGLang lacks, installed by the launcher
+"""Four small hooks into SGLang 0.5.23 that stock SGLang lacks, installed by the launcher
 (`python -m sglang_adapter.launch_server`) in every scheduler process:
 
 1. request hints: a request's `kv_hints` reach the storage calls made for it (`extra_info`);
@@ -6,7 +6,9 @@
    so stored pages are announced to routers with the hashes the engine itself publishes;
 3. prefetch ended: when the scheduler stops a prefetch, or revokes its hit (below
    `prefetch_threshold`, anchor lost), the backend gives back the claims the prefetch will not
-   collect.
+   collect;
+4. engine hits: the pages a request finds in the engine's own pools are touched in the runner,
+   whose LRU would otherwise see only the pages that come to it.
 
 Each wraps one or two methods (the hint hook: the scheduler's prefetch and the controllers' hit
 queries; the end hook: terminate and revoke); they are version-gated because they touch internals.
@@ -100,6 +102,34 @@ def _record_request_hints(method):
             REQUEST_HINTS.put(req.rid, msgspec.to_builtins(req.kv_hints))
         return method(self, req, *args, **kwargs)
     return wrapper
+
+
+def _touch_engine_hits(method):
+    """A prefix the engine serves from its own device or host pool never reaches the backend: tell
+    it here, so the runner's LRU ages the pages the engine no longer uses, not the ones it does."""
+    @functools.wraps(method)
+    def wrapper(self, req, *args, **kwargs):
+        result = method(self, req, *args, **kwargs)
+        if not self.enable_hicache_storage:  # no storage backend to tell (nor a match made here)
+            return result
+        controller = getattr(self.tree_cache, "cache_controller", None)  # a HiCache tree only
+        used = getattr(getattr(controller, "storage_backend", None), "engine_hit", None)  # kvcr's only
+        if used is not None:
+            keys = _matched_page_keys(self.tree_cache, req)
+            if keys:
+                used(keys)
+        return result
+    return wrapper
+
+
+def _matched_page_keys(tree_cache, req) -> list[str]:
+    """The storage keys of the pages the request matched in the engine (root first)."""
+    node = req.last_host_node
+    if tree_cache.is_root(node):  # buffer mode backs nothing up to host: the device match anchors
+        node = req.last_node
+    if tree_cache.is_root(node):
+        return []
+    return [*tree_cache.get_prefix_hash_values(node), *tree_cache.tree_core.get_hash_values(node)]
 
 
 # A backed-up node's first page hash -> its request namespace (extra key, salt): the backup
@@ -228,7 +258,7 @@ def install() -> None:
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    Scheduler._prefetch_kvcache = _record_request_hints(Scheduler._prefetch_kvcache)
+    Scheduler._prefetch_kvcache = _touch_engine_hits(_record_request_hints(Scheduler._prefetch_kvcache))
     for core in (UnifiedTreeCore, *_rust_tree_core()):  # engines run the Rust one where it loads
         core.build_storage_backup_spec = _record_backup_namespace(core.build_storage_backup_spec)
     for cls in (HiCacheController, HybridCacheController):

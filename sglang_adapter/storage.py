@@ -235,6 +235,10 @@ class KVCRStorage(HiCacheStorage):
         self._give_back(gone)
         self.num_claims_expired += len(gone)
 
+    def engine_hit(self, keys: list[str]) -> None:
+        """The engine served these pages from its own pools (hooks): a use, as a read is."""
+        self.runner.touch(POOL, self._keys(keys))
+
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
         """The scheduler stopped or revoked a request's prefetch (launcher hook): give back the
         claims it will not collect and no other request counts on."""

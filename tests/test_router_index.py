@@ -159,7 +159,7 @@ def test_a_clear_in_the_middle_of_a_batch_keeps_what_follows_and_bits_are_reused
     for i in range(200):  # workers coming and going never grow the bitmasks
         index.apply(f"x{i}", batch(first))
         index.remove_worker(f"x{i}")
-    assert max(index._bits.values()).bit_length() <= 2
+    assert max(index._bits.values()).bit_length() <= 4  # two workers' lanes
 
 
 def test_vllm_salt_in_extra_keys_namespaces_the_block():

@@ -36,10 +36,11 @@ def dynamo_local_block_hashes(tokens: Sequence[int], block_size: int, *, lora_na
             for start in range(0, len(tokens) - window + 1, block_size)]
 
 
-def dynamo_sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
+def dynamo_sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+    """Sequence hashes of a chain of blocks, continuing from the parent block's (None: a root)."""
     out: list[int] = []
     digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
-    prev = None
+    prev = parent
     for h in local_hashes:
         prev = h if prev is None else digest(pack(prev, h), seed=DYNAMO_SEED)
         out.append(prev)

@@ -59,20 +59,28 @@ class BlockLRU:
         if self.capacity <= 0:
             return [], []
         order = self._order
-        stored = [b for b in blocks if b not in order]
-        for block in reversed(blocks):
-            order[block] = None
-            order.move_to_end(block)
+        stored = []
+        for block in reversed(blocks):  # one pass, tail first: the head ends most recent
+            if block in order:
+                order.move_to_end(block)
+            else:
+                order[block] = None
+                stored.append(block)
+        stored.reverse()
         evicted = []
         while len(order) > self.capacity:
             evicted.append(order.popitem(last=False)[0])
-        gone = set(evicted)
-        return [b for b in stored if b not in gone], evicted
+        if evicted:
+            gone = set(evicted)
+            stored = [b for b in stored if b not in gone]
+        return stored, evicted
 
 
 def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> list[Event]:
     """One BlockStored per run of newly stored blocks, each naming its parent (the block before it
     in the request)."""
+    if len(stored) == len(blocks):  # a request no tier held any of: one run from the root
+        return [_stored(list(blocks), None, medium)] if blocks else []
     new = set(stored)
     events: list[Event] = []
     run: list[int] = []

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from kvcr.proto.events import EventBatch
 from kvcr.proto.hints import parse_envelope
-from kvcr.proto.tokenhash import dynamo_chain_hash, dynamo_local_block_hashes
+from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
 
 from router_hints.index import InventoryIndex, Overlap
 from router_hints.scoring import CostModel, Load, choose, choose_source
@@ -162,14 +162,15 @@ class Simulation:
     def _sequence_hashes(self, blocks: Sequence[int]) -> list[int]:
         """The index's sequence hashes of a request, by block: an id stands for its whole prefix,
         so each block's hash is computed once (with the index's own functions) and remembered."""
-        memo, out, prev = self._seq, [], None
-        for block in blocks:
-            seq = memo.get(block)
-            if seq is None:
-                local = dynamo_local_block_hashes(block_tokens(block), SIM_BLOCK)[0]
-                seq = memo[block] = local if prev is None else dynamo_chain_hash(prev, local)
-            out.append(seq)
-            prev = seq
+        memo = self._seq
+        out = [memo.get(block) for block in blocks]
+        if None not in out:
+            return out
+        first = out.index(None)  # new blocks extend a known prefix: hash them in one call
+        tail = blocks[first:]
+        local = dynamo_local_block_hashes([t for b in tail for t in block_tokens(b)], SIM_BLOCK)
+        out[first:] = dynamo_sequence_hashes(local, out[first - 1] if first else None)
+        memo.update(zip(tail, out[first:]))
         return out
 
     def _route(self, now: float, overlaps: dict, num_blocks: int) -> int:
