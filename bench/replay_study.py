@@ -24,6 +24,20 @@ from router_hints.replay.synth import SynthSpec, write  # noqa: E402
 from router_hints.replay.trace import read_trace  # noqa: E402
 
 
+LONG = SynthSpec(requests=10000, system_blocks=16, turn_blocks=(3, 12), max_turns=4)  # ~32 blocks a request
+
+
+def long_request_speed() -> tuple[str, float]:
+    """The simulator's speed per policy on a trace of long requests (8 workers of 1000 blocks),
+    each policy run alone; and the trace's mean blocks per request."""
+    path = Path(tempfile.mkdtemp(prefix="kvcr-replay-long-")) / "long.jsonl"
+    write(path, LONG)
+    trace = read_trace(path)
+    runs = simulate(trace, SimConfig(workers=8, dram_blocks=1000), POLICIES)
+    speed = ", ".join(f"{p} {r.summary(0)['simulated_requests_per_s']:,}" for p, r in runs.items())
+    return speed, sum(len(r.blocks) for r in trace) / len(trace)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
@@ -54,6 +68,8 @@ def main() -> int:
                 rows.append(row)
                 print(row, flush=True)
     speed = ", ".join(f"{p} {sorted(v)[len(v) // 2]:,}" for p, v in speeds.items())
+    long_speed, long_blocks = long_request_speed()
+    print(f"simulated requests/s, long requests ({long_blocks:.1f} blocks each on average): {long_speed}")
     if args.no_live:
         print(f"simulated requests/s: {speed}")
         return 0
@@ -71,22 +87,28 @@ def main() -> int:
         live_rows.append(f"| {name}: {live['requests']} requests, 2 workers x {live['pages_per_worker']} pages, 10x | "
                          f"{m['reuse']:.1%} (DRAM {m['reuse_by_tier']['dram']:.1%}, peer "
                          f"{m['reuse_by_tier']['peer']:.1%}) | {live['simulated']['reuse']:.1%} | "
-                         f"{live['reuse_live_over_simulated']:.2f} | {m['errors']} |")
+                         f"{live['reuse_live_over_simulated']:.2f} | "
+                         f"{'/'.join(map(str, m['requests_by_worker'].values()))} vs "
+                         f"{'/'.join(map(str, live['simulated']['requests_by_worker']))} | {m['errors']} |")
         print(live_rows[-1], flush=True)
     source = f"`{args.trace}`" if args.trace else f"the synthetic trace ({args.requests} requests, seed 0)"
     intro = (f"`python bench/replay_study.py --requests {args.requests}` on {machine_line()}, {source}; "
              "defaults otherwise (8000 prefill tokens/s per worker, 512-token blocks of 64 MiB, 25 GB/s pulls). "
              "Each cell: fraction of prefix blocks reused / mean TTFT of the queueing model. Ratios against the "
              "ideal single cache (reuse) and KV-aware routing without pulls (TTFT), from the same run. "
-             f"Simulator speed, median simulated requests/s per run: {speed}. The second table: the trace's first "
+             f"Simulator speed, median simulated requests/s per run: {speed}; on a synthetic trace of long requests "
+             f"({long_blocks:.1f} blocks each on average, `LONG` in the script, 8 workers of 1000 blocks): {long_speed}. "
+             "The second table: the trace's first "
              f"{args.live_requests} requests through `kvcr router`, then Dynamo 1.6.1's unmodified frontend and KV "
              "router, each in front of 2 `kvcr worker`s on this machine, then `kvcr router` in front of 2 live "
              "SGLang 0.5.23 engines with kvcr's backend (CPU harness, tiny model) with 8 and with 1 request in "
              "flight (one 16-token page per block, DRAM only, arrivals 10x faster) against the simulation of that "
-             "same cluster. "
+             "same cluster (with one request in flight, each is served before the next is sent, so the simulated "
+             "workers prefill instantly and routing sees no load, as the live router does). "
              "Method: docs/replay.md.")
     columns = ["workers", "DRAM blocks each", "speed-up", *POLICIES, "kvcr reuse / ideal", "kvcr TTFT / kv TTFT"]
-    live_columns = ["live run", "reuse measured", "reuse simulated (same cluster)", "measured / simulated", "errors"]
+    live_columns = ["live run", "reuse measured", "reuse simulated (same cluster)", "measured / simulated",
+                    "requests per worker, live vs simulated", "errors"]
     publish("replay", "Replay study: kvcr against the alternatives on a trace", intro,
             [table(columns, rows), table(live_columns, live_rows)], write=not args.no_write)
     return 0

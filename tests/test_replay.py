@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from router_hints.replay.live import simulated_cluster
 from router_hints.replay.sim import SimConfig, Simulation, simulate
 from router_hints.replay.trace import TraceError, TraceRequest, parse_lines
 from tests.conftest import ROOT
@@ -92,6 +93,15 @@ def test_queueing_delays_a_request_behind_the_one_before_it():
     assert r.ttft_s == [pytest.approx(2.0), pytest.approx(1.5 + 1.0)]
 
 
+@pytest.mark.parametrize("concurrency, by_worker", [(1, [2, 0]), (8, [1, 1])])
+def test_the_simulated_live_cluster_sees_load_only_when_requests_overlap(concurrency, by_worker):
+    """Two unrelated requests 1 ms apart: one in flight at a time, the router never sees worker 0
+    busy and keeps the lowest id; with more in flight, the first one's prefill is queued load."""
+    cfg = simulated_cluster(SimConfig(workers=2), slots=100, page_size=16, concurrency=concurrency)
+    r = Simulation(cfg, "kvcr").run([req(0, range(10), 160), req(0.001, range(100, 110), 160)])
+    assert r.requests_by_worker == by_worker
+
+
 def test_replay_writes_json_and_charts_and_refuses_a_bad_trace(tmp_path):
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "kvcr.cli", "replay", "--synthetic", "300", "--workers", "4",
@@ -124,6 +134,7 @@ def test_the_live_mode_drives_the_trace_through_the_router_and_workers_and_repor
     assert live["router"] == router and live["engine"] == engine
     measured = live["measured"]
     assert live["requests"] == 60 and measured["requests"] == 60 and measured["errors"] == 0
+    assert sum(measured["requests_by_worker"].values()) == 60  # each response named the worker that served it
     assert measured["reuse"] > 0 and live["simulated"]["reuse"] > 0  # shared system prompts are reused in both
     assert live["pages_per_worker"] >= 200
 

@@ -79,6 +79,8 @@ class BlockLRU:
 def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> list[Event]:
     """One BlockStored per run of newly stored blocks, each naming its parent (the block before it
     in the request)."""
+    if not stored:
+        return []
     if len(stored) == len(blocks):  # a request no tier held any of: one run from the root
         return [_stored(list(blocks), None, medium)] if blocks else []
     new = set(stored)

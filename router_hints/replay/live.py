@@ -30,6 +30,7 @@ from .sim import SimConfig, simulate
 from .trace import TraceRequest
 
 VOCAB = 2048  # the worker's default model
+INSTANT_PREFILL = 1e15  # tokens/s: a simulated worker that is never seen busy
 SGLANG_VOCAB = 512  # the CPU harness's tiny model
 
 
@@ -41,6 +42,7 @@ class LiveOutcome:
     peer: int
     latency_s: float
     error: str | None = None
+    worker: str | None = None  # the worker that served it (the router's X-KVCR-Worker, or Dynamo's pick)
 
 
 def page_tokens(block: int, page_size: int, vocab: int = VOCAB) -> list[int]:
@@ -110,23 +112,27 @@ class LiveCluster:
         self.model = self.workers[0].info["model"]
         poll(lambda: self.model in self.frontend.models(), 60, "the model served by Dynamo")
 
-    def send(self, tokens: list[int], rid: str) -> tuple[int, dict | bytes]:
+    def send(self, tokens: list[int], rid: str) -> tuple[int, dict | bytes, str | None]:
         """One request (one token generated) through the router: (HTTP status, the worker's `kvcr`
-        record of what serving it took, or the error body)."""
+        record of what serving it took or the error body, the worker that served it)."""
         if self.kind == "kvcr":
             body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}, "rid": rid}
-            status, _, raw = http(self.router.url + "/generate", body, timeout_s=120)
-            return (status, json.loads(raw)["meta_info"]["kvcr"]) if status == 200 else (status, raw)
+            status, headers, raw = http(self.router.url + "/generate", body, timeout_s=120)
+            if status != 200:
+                return status, raw, None
+            return status, json.loads(raw)["meta_info"]["kvcr"], headers.get("X-KVCR-Worker")
         # Dynamo's responses carry no kvcr fields: the worker that served it keeps them by Dynamo's id.
         status, _, raw = http(self.frontend.url + "/v1/completions", {
             "model": self.model, "prompt": tokens, "max_tokens": 1, "ignore_eos": True}, timeout_s=120)
         if status != 200:
-            return status, raw
+            return status, raw, None
         from kvcr.dynamo.local import served_record
 
         response_id = json.loads(raw)["id"]
         found = served_record({w.name: w.url for w in self.workers}, response_id)
-        return (200, found[1]) if found else (500, f"no worker served Dynamo's request {response_id}".encode())
+        if found is None:
+            return 500, f"no worker served Dynamo's request {response_id}".encode(), None
+        return 200, found[1], found[0]
 
     @property
     def slots_per_worker(self) -> int:
@@ -188,16 +194,16 @@ class SGLangCluster:
         self._pulled_before = self._pulled()
         return self
 
-    def send(self, tokens: list[int], rid: str) -> tuple[int, dict | bytes]:
+    def send(self, tokens: list[int], rid: str) -> tuple[int, dict | bytes, str | None]:
         # SGLang computes at least a prompt's last token, so a page-aligned prompt could never reuse
         # its last page: one extra token (not a page of the trace) lets every block be reused
         body = {"input_ids": [*tokens, 2], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}, "rid": rid}
-        status, _, raw = http(self.router.url + "/generate", body, timeout_s=120)
+        status, headers, raw = http(self.router.url + "/generate", body, timeout_s=120)
         if status != 200:
-            return status, raw
+            return status, raw, None
         cached = json.loads(raw)["meta_info"]["cached_tokens"] // self.page_size
         # engine pools and local kvcr pages alike; pulled pages are split out over the whole run
-        return status, {"dram_pages": cached, "nvme_pages": 0, "peer_pages": 0}
+        return status, {"dram_pages": cached, "nvme_pages": 0, "peer_pages": 0}, headers.get("X-KVCR-Worker")
 
     def _pulled(self) -> float:
         from kvcr.demo.sglang_driver import metric
@@ -231,12 +237,13 @@ def drive(cluster: LiveCluster, trace: Sequence[TraceRequest], *, page_size: int
             time.sleep(delay)
         tokens = [t for b in req.blocks for t in page_tokens(b, page_size, cluster.vocab)]
         start = time.monotonic()
-        status, kv = cluster.send(tokens, f"replay-{i}")
+        status, kv, worker = cluster.send(tokens, f"replay-{i}")
         latency = time.monotonic() - start
         if status != 200:
             result = LiveOutcome(len(req.blocks), 0, 0, 0, latency, f"HTTP {status}: {kv[:200]!r}")
         else:
-            result = LiveOutcome(len(req.blocks), kv["dram_pages"], kv["nvme_pages"], kv["peer_pages"], latency)
+            result = LiveOutcome(len(req.blocks), kv["dram_pages"], kv["nvme_pages"], kv["peer_pages"], latency,
+                                 worker=worker)
         with lock:
             out[i] = result
         progress(1)
@@ -257,8 +264,14 @@ def summarise(outcomes: Sequence[LiveOutcome], *, pulled: int | None = None) -> 
     if pulled is not None:
         dram, peer = max(0, dram - pulled), peer + min(pulled, dram)
     nvme = sum(o.nvme for o in outcomes)
+    served: dict[str, int] = {}
+    for o in outcomes:
+        if o.worker is not None:
+            served[o.worker] = served.get(o.worker, 0) + 1
     return {"requests": len(outcomes), "errors": sum(o.error is not None for o in outcomes),
+            "requests_by_worker": dict(sorted(served.items())),
             "reuse": (dram + nvme + peer) / blocks,
+            "computed_pages": blocks - dram - nvme - peer, "busy_s": sum(latencies),
             "reuse_by_tier": {"dram": dram / blocks, "nvme": nvme / blocks, "peer": peer / blocks},
             "latency_p50_s": latencies[len(latencies) // 2] if latencies else 0.0,
             "latency_mean_s": statistics.fmean(latencies) if latencies else 0.0}
@@ -269,18 +282,26 @@ def compare(trace: Sequence[TraceRequest], cfg: SimConfig, *, page_size: int, ru
             progress: Callable[[int], None] = lambda n: None) -> dict:
     """The trace through a live cluster shaped as `cfg` (its workers, DRAM of cfg.dram_blocks pages,
     no NVMe, its speed-up), at most `concurrency` requests in flight, and the kvcr simulation of
-    that same cluster (which serves each request before the next arrives)."""
+    that same cluster (`simulated_cluster`)."""
     page_bytes = (SGLangCluster if engine == "sglang" else LiveCluster).page_bytes(page_size)
     live, slots = run_live(trace, workers=cfg.workers, page_size=page_size, dram=str(cfg.dram_blocks * page_bytes),
                            speedup=cfg.speedup, run_dir=run_dir, router=router, engine=engine,
                            concurrency=concurrency, progress=progress)
-    same = replace(cfg, dram_blocks=slots, nvme_blocks=0, block_tokens=page_size)
+    same = simulated_cluster(cfg, slots=slots, page_size=page_size, concurrency=concurrency)
     full_blocks = [replace(r, input_length=len(r.blocks) * page_size) for r in trace]
     predicted = simulate(full_blocks, same, ["kvcr"])["kvcr"].summary(same.block_bytes)
     return {"requests": len(trace), "router": router, "engine": engine, "concurrency": concurrency,
             "pages_per_worker": slots, "measured": live,
-            "simulated": {k: predicted[k] for k in ("reuse", "reuse_by_tier", "pulled_blocks")},
+            "simulated": {k: predicted[k] for k in ("reuse", "reuse_by_tier", "pulled_blocks", "requests_by_worker")},
             "reuse_live_over_simulated": live["reuse"] / predicted["reuse"] if predicted["reuse"] else None}
+
+
+def simulated_cluster(cfg: SimConfig, *, slots: int, page_size: int, concurrency: int) -> SimConfig:
+    """The simulation of a live cluster: its DRAM pages, no NVMe, one trace block per page. With one
+    request in flight each is served before the next is sent, so the live router never sees a busy
+    worker: its simulated workers prefill instantly, leaving the choice to overlap alone."""
+    same = replace(cfg, dram_blocks=slots, nvme_blocks=0, block_tokens=page_size)
+    return replace(same, prefill_tokens_per_s=INSTANT_PREFILL) if concurrency == 1 else same
 
 
 def check_options(*, router: str, engine: str, concurrency: int) -> None:

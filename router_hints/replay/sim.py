@@ -68,6 +68,7 @@ class PolicyResult:
     pulls: int = 0
     ttft_s: list[float] = field(default_factory=list)
     prefill_tokens_by_worker: list[int] = field(default_factory=list)
+    requests_by_worker: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
@@ -85,6 +86,7 @@ class PolicyResult:
                 "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p99_s": _quantile(ttft, 0.99),
                 "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
                 "load_imbalance": max(loads) / mean_load if mean_load else 1.0,
+                "requests_by_worker": self.requests_by_worker,
                 "simulated_requests_per_s": round(self.requests / self.wall_s) if self.wall_s else None}
 
 
@@ -101,6 +103,7 @@ class _Workers:
         self.cfg = cfg
         self.busy_until = [0.0] * n
         self.prefilled = [0] * n
+        self.served = [0] * n
 
     def backlog_tokens(self, w: int, now: float) -> int:
         return int(max(0.0, self.busy_until[w] - now) * self.cfg.prefill_tokens_per_s)
@@ -112,6 +115,7 @@ class _Workers:
         decode = output / self.cfg.decode_tokens_per_s if self.cfg.decode_tokens_per_s else 0.0
         self.busy_until[w] = first_token + decode
         self.prefilled[w] += recompute
+        self.served[w] += 1
         return first_token - now
 
 
@@ -218,6 +222,7 @@ class Simulation:
             progress(len(trace) % 1000)
         self.result.wall_s = time.perf_counter() - t0
         self.result.prefill_tokens_by_worker = list(self.queues.prefilled)
+        self.result.requests_by_worker = list(self.queues.served)
         return self.result
 
 
