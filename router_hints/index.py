@@ -86,7 +86,7 @@ class InventoryIndex:
 
     def _stored(self, worker: Worker, state: _WorkerState, event: BlockStored) -> None:
         tier = _MEDIUM_TIER.get(event.medium)
-        if tier is None or event.block_size != self.block_size or _router_drops(event):
+        if tier is None or event.block_size != self.block_size or (event.extra and _router_drops(event)):
             self.num_ignored += 1
             return
         parent_seq = None
@@ -95,9 +95,10 @@ class InventoryIndex:
             if parent_seq is None:
                 self.num_unknown_parent += 1
                 return
-        local = dynamo_local_block_hashes(event.token_ids[:self.block_size * len(event.block_hashes)],
-                                          self.block_size, lora_name=event.lora_name,
-                                          cache_namespace=event.cache_salt or _vllm_salt(event))
+        tokens, n = event.token_ids, self.block_size * len(event.block_hashes)
+        namespace = event.cache_salt or (_vllm_salt(event) if event.extra else None)
+        local = dynamo_local_block_hashes(tokens if len(tokens) == n else tokens[:n], self.block_size,
+                                          lora_name=event.lora_name, cache_namespace=namespace)
         lanes, masks, slot = self._bit(worker) * _TIER_LANES[tier], self._masks, tier + 1
         by_external, holding = state.by_external, state.held
         for external, seq in zip(event.block_hashes, dynamo_sequence_hashes(local, parent_seq)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvcr.proto.hints import build_envelope
 
@@ -71,6 +72,7 @@ def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Ov
     return Choice(pick, costs[pick], overlaps.get(pick, Overlap()), costs)
 
 
+@lru_cache(maxsize=4096)  # asked for every candidate of every decision; workers are few
 def worker_order(worker: Worker) -> tuple:
     """Numeric ids (Dynamo's u64 worker ids) in numeric order, others after them by name."""
     worker_id, dp = worker

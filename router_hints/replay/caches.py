@@ -132,5 +132,5 @@ class WorkerCache:
             stored, evicted = tier.fill(blocks)
             events += stored_events(blocks, stored, medium)
             if evicted:
-                events.append(BlockRemoved(block_hashes=tuple(external(b) for b in evicted), medium=medium))
+                events.append(BlockRemoved(block_hashes=tuple(map(external, evicted)), medium=medium))
         return events
