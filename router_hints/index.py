@@ -19,7 +19,6 @@ from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcr.proto.keys import U64_MASK
 from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
 
-TIERS = ("device", "host", "disk")
 _DEVICE, _HOST, _DISK = range(3)
 _MEDIUM_TIER = {None: _DEVICE, "GPU": _DEVICE, "DEVICE": _DEVICE,
                 "CPU": _HOST, "CPU_PINNED": _HOST, "CPU_TIER1": _HOST,
