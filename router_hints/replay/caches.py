@@ -82,7 +82,7 @@ def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> 
     if not stored:
         return []
     if len(stored) == len(blocks):  # a request no tier held any of: one run from the root
-        return [_stored(list(blocks), None, medium)] if blocks else []
+        return [_stored(list(blocks), None, medium)]
     new = set(stored)
     events: list[Event] = []
     run: list[int] = []

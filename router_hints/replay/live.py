@@ -271,7 +271,6 @@ def summarise(outcomes: Sequence[LiveOutcome], *, pulled: int | None = None) -> 
     return {"requests": len(outcomes), "errors": sum(o.error is not None for o in outcomes),
             "requests_by_worker": dict(sorted(served.items())),
             "reuse": (dram + nvme + peer) / blocks,
-            "computed_pages": blocks - dram - nvme - peer, "busy_s": sum(latencies),
             "reuse_by_tier": {"dram": dram / blocks, "nvme": nvme / blocks, "peer": peer / blocks},
             "latency_p50_s": latencies[len(latencies) // 2] if latencies else 0.0,
             "latency_mean_s": statistics.fmean(latencies) if latencies else 0.0}
