@@ -19,8 +19,11 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from array import array
 from collections import OrderedDict
 from importlib import metadata
+
+from .pagemeta import HintedRequest, RequestNamespace
 
 SUPPORTED_SGLANG = ("0.5.23",)
 MAX_TRACKED_REQUESTS = 10_000
@@ -43,21 +46,21 @@ def check_version() -> str:
 
 
 class RequestHints:
-    """rid -> the request's kv_hints envelope (a dict), bounded, oldest dropped first."""
+    """rid -> the request's hints (envelope, namespace, tokens), bounded, oldest dropped first."""
 
     def __init__(self, cap: int = MAX_TRACKED_REQUESTS) -> None:
-        self._by_rid: OrderedDict[str, dict] = OrderedDict()
+        self._by_rid: OrderedDict[str, HintedRequest] = OrderedDict()
         self._lock = threading.Lock()
         self.cap = cap
 
-    def put(self, rid: str, envelope: dict) -> None:
+    def put(self, rid: str, hinted: HintedRequest) -> None:
         with self._lock:
-            self._by_rid[rid] = envelope
+            self._by_rid[rid] = hinted
             self._by_rid.move_to_end(rid)
             while len(self._by_rid) > self.cap:
                 self._by_rid.popitem(last=False)
 
-    def get(self, rid: str) -> dict | None:
+    def get(self, rid: str) -> HintedRequest | None:
         with self._lock:
             return self._by_rid.get(rid)
 
@@ -70,7 +73,7 @@ REQUEST_HINTS = RequestHints()
 _context = threading.local()  # the hints of the request whose storage call runs on this thread
 
 
-def current_hints() -> dict | None:
+def current_hints() -> HintedRequest | None:
     return getattr(_context, "hints", None)
 
 
@@ -97,11 +100,19 @@ def _record_request_hints(method):
     @functools.wraps(method)
     def wrapper(self, req, *args, **kwargs):
         if req.kv_hints is not None:
-            import msgspec
-
-            REQUEST_HINTS.put(req.rid, msgspec.to_builtins(req.kv_hints))
+            REQUEST_HINTS.put(req.rid, hinted_request(req))
         return method(self, req, *args, **kwargs)
     return wrapper
+
+
+def hinted_request(req) -> HintedRequest:
+    """What the backend needs of a hinted request. A namespaced one keeps its tokens (origin and
+    output: what the prefetch hashes) because its storage keys are not its event hashes."""
+    import msgspec
+
+    ns = RequestNamespace(req.extra_key, req.cache_salt)
+    tokens = None if ns.plain else array("q", [*req.origin_input_ids, *req.output_ids])
+    return HintedRequest(msgspec.to_builtins(req.kv_hints), ns, tokens)
 
 
 def _touch_engine_hits(method):

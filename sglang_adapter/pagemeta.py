@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import takewhile
 
 from kvcr.proto.announce import Announce
 from kvcr.proto.keys import (
+    U64_MASK,
+    event_hashes,
     event_namespace_seed,
     event_salt_seed,
     hash_str_to_int64,
     namespaced_block_hash,
     page_digests,
+    request_page_hashes,
 )
 
 
@@ -35,6 +40,38 @@ class RequestNamespace:
     @property
     def plain(self) -> bool:
         return self.extra_key is None and self.cache_salt is None
+
+
+def request_key_events(tokens: Sequence[int], page_size: int, span: int, ns: RequestNamespace) -> dict[str, int]:
+    """Storage key -> the u64 event hash routers know it by (its last engine page's), for every
+    whole key of a request's tokens from the root: a namespaced chain is seeded differently for
+    storage and for events, so neither can be read off the other."""
+    stored = request_page_hashes(tokens, page_size * span, extra_key=ns.extra_key, cache_salt=ns.cache_salt)
+    events = event_hashes(tokens, page_size, extra_key=ns.extra_key, cache_salt=ns.cache_salt)
+    return {k: events[(i + 1) * span - 1] & U64_MASK for i, k in enumerate(stored)}
+
+
+@dataclass(frozen=True)
+class HintedRequest:
+    """A request's kv_hints envelope, and (namespaced requests only) its tokens from the root, so
+    the storage keys a lookup is asked for can be matched against the event hashes a hint names."""
+
+    envelope: dict
+    ns: RequestNamespace = RequestNamespace()
+    tokens: Sequence[int] | None = None
+    _events: dict = field(default_factory=dict, repr=False, compare=False)  # (page_size, span) -> map
+
+    def key_events(self, keys: list[str], page_size: int, span: int) -> list[int]:
+        """The event hashes of `keys` as far as they can be told (a key the request does not make,
+        or a namespaced one without tokens, ends the list)."""
+        if self.ns.plain and span == 1:
+            return [hash_str_to_int64(k) & U64_MASK for k in keys]
+        if not self.tokens:
+            return []
+        known = self._events.get((page_size, span))
+        if known is None:
+            known = self._events[page_size, span] = request_key_events(self.tokens, page_size, span, self.ns)
+        return list(map(known.__getitem__, takewhile(known.__contains__, keys)))
 
 
 def start_of_chain(ns: RequestNamespace) -> ChainTail | None:

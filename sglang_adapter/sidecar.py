@@ -28,9 +28,9 @@ from kvcr.proto.keys import Namespace
 from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
 from .layout import KeyLayout, PageLayout, gather, scatter
-from .pagemeta import AnnounceChain
+from .pagemeta import AnnounceChain, HintedRequest
 from .pending import Pending, PendingClaims
-from .pulls import deliver_confirmed, request_hint_source
+from .pulls import deliver_confirmed, request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
 hooks.install_if_launched()  # TP > 1 engines load this module, not storage.py
@@ -108,19 +108,18 @@ class KVCRSidecarStorage(HiCacheStorage):
             confirmed = self._pending.covered(keys, local, owner)
             if confirmed > local:
                 return confirmed
-            raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
-            raw = raw if raw is not None else hooks.current_hints()
-            if raw is not None and self.cfg.use_request_hints:
-                return local + self._confirm(keys, local, raw, owner)
+            hinted = request_hints(extra_info)
+            if hinted is not None and self.cfg.use_request_hints:
+                return local + self._confirm(keys, local, hinted, owner)
             # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
             return local + client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
             log.warning("kvcr sidecar lookup failed: %s", exc)
             return 0
 
-    def _confirm(self, keys: list[str], local: int, raw: object, owner: str | None) -> int:
+    def _confirm(self, keys: list[str], local: int, hinted: HintedRequest, owner: str | None) -> int:
         """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim)."""
-        source = request_hint_source(raw, keys[local:])
+        source = request_hint_source(hinted, keys[local:], self.layout.page.page_size, self.layout.pages)
         if source is None:
             return 0
         endpoint, depth = source

@@ -42,7 +42,7 @@ from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, restorable
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
-from .pulls import deliver_confirmed, request_hint_source
+from .pulls import deliver_confirmed, request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
 POOL = "kv"
@@ -208,13 +208,14 @@ class KVCRStorage(HiCacheStorage):
 
     def _source(self, keys: list[str], local: int, extra_info) -> tuple[str, int] | None:
         """(endpoint, pages from `local`) a hint names: the request's own, else one the router posted."""
-        events = [hash_str_to_int64(k) & U64_MASK for k in keys[local:]]
-        raw = (extra_info.extra_info or {}).get("kv_hints") if extra_info is not None else None
-        raw = raw if raw is not None else hooks.current_hints()  # the launcher's request-hint hook
-        if raw is not None and self.cfg.use_request_hints:
-            source = request_hint_source(raw, keys[local:])
+        hinted = request_hints(extra_info)
+        dims = self.layouts[POOL].page.page_size, self.layouts[POOL].pages
+        if hinted is not None and self.cfg.use_request_hints:
+            source = request_hint_source(hinted, keys[local:], *dims)
             if source is not None:
                 return source
+        events = (hinted.key_events(keys[local:], *dims) if hinted is not None
+                  else [hash_str_to_int64(k) & U64_MASK for k in keys[local:]])
         if self.cfg.use_posted_hints:
             posted = self.pulls.hinted_source(events)
             if posted is not None:

@@ -36,9 +36,11 @@ from tests.conftest import wait_until  # noqa: E402
 hooks.install()
 
 
-def request(rid: str, envelope: dict | None) -> SimpleNamespace:
+def request(rid: str, envelope: dict | None, tokens: list[int] = (), extra_key: str | None = None,
+            cache_salt: str | None = None) -> SimpleNamespace:
     """What `_prefetch_kvcache` reads of a Req before the (disabled) storage path."""
-    return SimpleNamespace(rid=rid, kv_hints=decode_kv_hints_envelope(envelope) if envelope else None)
+    return SimpleNamespace(rid=rid, kv_hints=decode_kv_hints_envelope(envelope) if envelope else None,
+                           origin_input_ids=list(tokens), output_ids=[], extra_key=extra_key, cache_salt=cache_salt)
 
 
 def idle_scheduler() -> Scheduler:
@@ -233,6 +235,59 @@ def test_a_sidecar_in_the_extra_config_selects_the_attached_backend():
     assert (extra["module_path"], extra["class_name"]) == ("sglang_adapter.sidecar", "KVCRSidecarStorage")
 
 
+NAMESPACES = [(None, "tenant-a"), ("lora-x", None), ("lora-x", "tenant-a")]
+
+
+@pytest.mark.parametrize("extra_key, salt", NAMESPACES)
+def test_a_namespaced_requests_hint_is_matched_by_its_event_hashes_and_pulls(backends, extra_key, salt):
+    """A salted or LoRA page is published under an event hash that is not its storage key's; the
+    hint names the former, the lookup is asked for the latter, and the request's tokens join them."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from kvcr.proto.keys import event_hashes, request_page_hashes
+
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b)
+    tokens = list(range(700, 700 + 5 * PAGE))
+    keys = request_page_hashes(tokens, PAGE, extra_key=extra_key, cache_salt=salt)
+    src = pool_a.alloc(5 * PAGE)
+    fill(pool_a, src, seed=7)
+    assert a.batch_set_v1(keys, src) == [True] * 5
+    events = [e & U64_MASK for e in event_hashes(tokens, PAGE, extra_key=extra_key, cache_salt=salt)]
+    assert events != [hash_str_to_int64(k) & U64_MASK for k in keys]  # the two hashes differ
+    Scheduler._prefetch_kvcache(idle_scheduler(), request(
+        "rid-ns", build_envelope(a.service.control.bound_endpoint, events), tokens, extra_key, salt))
+    op = PrefetchOperation("rid-ns", RadixKey(tokens, extra_key=extra_key, cache_salt=salt), prefix_keys=[])
+    hashes, hit_tokens = controller(b, pool_b)._storage_hit_query(op)
+    assert hashes == keys and hit_tokens == 5 * PAGE and b.claims_pending() == 1
+    hooks.REQUEST_HINTS.pop("rid-ns")
+
+
+@pytest.mark.parametrize("extra_key, salt", NAMESPACES)
+def test_a_hint_for_one_namespace_finds_nothing_for_another(backends, extra_key, salt):
+    """The hint names tenant-a's pages; the same tokens asked for under another namespace (or
+    none) make other keys, so nothing is claimed for them."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from kvcr.proto.keys import event_hashes, request_page_hashes
+
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a, b = backends(pool_a), backends(pool_b)
+    tokens = list(range(900, 900 + 4 * PAGE))
+    src = pool_a.alloc(4 * PAGE)
+    fill(pool_a, src, seed=9)
+    assert a.batch_set_v1(request_page_hashes(tokens, PAGE, extra_key=extra_key, cache_salt=salt), src) == [True] * 4
+    envelope = build_envelope(a.service.control.bound_endpoint,
+                              [e & U64_MASK for e in event_hashes(tokens, PAGE, extra_key=extra_key, cache_salt=salt)])
+    for other_key, other_salt in [(None, None), (extra_key, "tenant-b"), ("lora-y", salt)]:
+        Scheduler._prefetch_kvcache(idle_scheduler(), request("rid-other", envelope, tokens, other_key, other_salt))
+        op = PrefetchOperation("rid-other", RadixKey(tokens, extra_key=other_key, cache_salt=other_salt),
+                               prefix_keys=[])
+        _, hit_tokens = controller(b, pool_b)._storage_hit_query(op)
+        assert hit_tokens == 0 and b.claims_pending() == 0, (other_key, other_salt)
+        hooks.REQUEST_HINTS.pop("rid-other")
+
+
 def test_dynamos_recorded_envelope_drives_a_pull_end_to_end(backends):
     """tests/data/dynamo_kv_hint.json is the JSON Dynamo's serializer emits for a KvHint (the value
     its own serialization test asserts), used unchanged: the source runner binds the endpoint it
@@ -251,7 +306,7 @@ def test_dynamos_recorded_envelope_drives_a_pull_end_to_end(backends):
     op = PrefetchOperation("rid-dynamo", list(range(2 * PAGE)), prefix_keys=[])
     op.hash_value, op.host_indices = keys, pool_b.alloc(2 * PAGE)
     assert b.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"kv_hints": hooks.REQUEST_HINTS.get(
-        "rid-dynamo")})) == 2
+        "rid-dynamo").envelope})) == 2
     assert cb._page_transfer(op) == 2
     assert page_bytes(pool_b, op.host_indices) == page_bytes(pool_a, src)
     hooks.REQUEST_HINTS.pop("rid-dynamo")

@@ -270,13 +270,14 @@ def test_a_tenants_pages_are_never_hinted_or_pulled_for_another_cache_namespace(
     assert metric(b.runner_get("/metrics"), "kvcr_pulled_pages_total") == pulled_before
 
 
-@pytest.mark.xfail(strict=True, reason="a known bug: SGLang publishes a salted page under an event hash that is not "
-                   "its storage key's, and a hint names event hashes, so the puller cannot match a salted hint "
-                   "to its keys (docs/sglang.md, Known limits)")
 def test_the_same_salt_pulls_a_peers_pages_on_the_routers_hint(cluster):
+    """The hint names A's salted event hashes, B's lookup is asked for salted storage keys: the
+    request's tokens join the two, so B pulls A's pages and answers as A did."""
     front, a, b, tok = cluster
     text, shared, first = salted_on_a(cluster, 502, "tenant-c")
     assert debug(front, {"text": text, "cache_salt": "tenant-c"})["hint"] is None  # A idle: A itself wins
+    pulled_before = metric(b.runner_get("/metrics"), "kvcr_pulled_pages_total")
     worker, same = post(front.url, "/generate", generate_body(text, cache_salt="tenant-c"), target=b.name)
     assert worker == b.name and same["meta_info"]["cached_tokens"] == shared * PAGE
+    assert metric(b.runner_get("/metrics"), "kvcr_pulled_pages_total") - pulled_before == shared
     assert logprobs(same) == logprobs(first)
