@@ -226,6 +226,19 @@ def _jinja_environment() -> Any:
     return env
 
 
+def request_cache_salt(body: dict) -> str | None:
+    """The request's cache namespace: SGLang's `cache_salt` (on /generate and the OpenAI routes).
+
+    The engine hashes, stores and announces a salted request's pages under it (the index keys them
+    by the announced salt), so the request's blocks are hashed under it too; "" is none, as in SGLang."""
+    salt = body.get("cache_salt")
+    if salt is None or salt == "":
+        return None
+    if not isinstance(salt, str):  # SGLang refuses a list for one request as well
+        raise RequestError("cache_salt must be a string")
+    return salt
+
+
 def request_tokens(body: dict, route: str, tokenizer: TextTokenizer) -> list[int]:
     """The prompt's token ids for an SGLang `/generate` or OpenAI completions/chat body."""
     if route == "chat":

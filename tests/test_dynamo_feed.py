@@ -91,12 +91,21 @@ def test_a_dynamo_request_becomes_a_streamed_greedy_generate_with_its_hint():
                          oracle=True)["sampling_params"]["max_new_tokens"] == 16
 
 
+@pytest.mark.parametrize("routing, salt", [({"dp_rank": 0, "cache_salt": "tenant-a"}, "tenant-a"),
+                                           ({"dp_rank": 0}, None), ({"cache_salt": ""}, None)])
+def test_the_tenant_salt_dynamo_routed_on_reaches_the_engine(routing, salt):
+    """Dynamo 1.6.1 puts a request's `nvext.cache_salt` in `routing.cache_salt` (seen on the wire)."""
+    assert generate_body(dynamo_request(routing=routing), default_max_tokens=16).get("cache_salt") == salt
+
+
 @pytest.mark.parametrize("request_, problem", [
     ([], "must be an object"),
     (dynamo_request(token_ids=[]), "token_ids"),
     (dynamo_request(token_ids=[1, "2"]), "token_ids"),
     (dynamo_request(stop_conditions=[]), "stop_conditions must be an object"),
     (dynamo_request(stop_conditions={"max_tokens": -1}), "max_tokens must be a non-negative integer"),
+    (dynamo_request(routing=[]), "routing must be an object"),
+    (dynamo_request(routing={"cache_salt": 7}), "cache_salt must be a string"),
 ])
 def test_a_malformed_dynamo_request_is_refused_by_name(request_, problem):
     with pytest.raises(BridgeRequestError, match=problem):

@@ -101,6 +101,26 @@ def test_a_worker_without_the_prefix_pulls_it_from_the_peer_the_hint_names(clust
     assert 'kvcr_router_decisions_total{route="generate",worker="w1"}' in metrics
 
 
+def test_a_tenants_pages_serve_only_its_own_salt_locally_and_from_a_peer(cluster):
+    """`cache_salt` keys and announces a kvcr worker's pages as SGLang's do: another salt (or none)
+    finds nothing in the worker's tiers or the router's index; the same salt pulls on the hint."""
+    front, (w0, w1) = cluster
+    text = "Pages one tenant computes and nobody else may be served, from a cache or a peer. " * 5
+    _, cold = generate(w0.url, text, cache_salt="tenant-a", kvcr_oracle=True)
+    held = cold["meta_info"]["kvcr"]["stored_pages"]
+    wait_until(lambda: json.loads(http(front.url + "/debug/index", {"text": text, "cache_salt": "tenant-a"})[2])
+               ["workers"][0]["overlap"]["host"] == held, 10, 0.05, "router indexed w0's tenant-a pages")
+    for other in ({}, {"cache_salt": "tenant-b"}):
+        view = json.loads(http(front.url + "/debug/index", {"text": text, **other})[2])
+        assert sum(view["workers"][0]["overlap"].values()) == 0 and view["hint"] is None, other
+        _, local = generate(w0.url, text, **other)
+        assert local["meta_info"]["kvcr"]["dram_pages"] == 0, other
+    name, out = generate(front.url, text, headers={"X-KVCR-Target": "w1"}, cache_salt="tenant-a", kvcr_oracle=True)
+    kv = out["meta_info"]["kvcr"]
+    assert name == "w1" and kv["peer_pages"] == held and kv["oracle"]["ok"]
+    assert out["output_ids"] == cold["output_ids"]
+
+
 def test_a_hint_a_client_supplies_is_stripped_before_the_worker_sees_it(cluster):
     front, workers = cluster
     bogus = {"protocol_version": "0.1", "actions": [{"action_type": "kv.fetch", "action_version": "1.0", "payload": {

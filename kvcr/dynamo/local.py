@@ -202,10 +202,11 @@ class Probe:
             raise TimeoutError(f"Dynamo's index probe gave no answer within {timeout_s} s")
         return json.loads(self.proc.stdout.readline() or "{}")
 
-    def overlaps(self, tokens: list[int]) -> dict[tuple[int, int], dict]:
+    def overlaps(self, tokens: list[int], cache_namespace: str | None = None) -> dict[tuple[int, int], dict]:
         """(Dynamo worker id, DP rank) -> leading blocks of `tokens` Dynamo believes it holds: on
-        device, host-pinned, and host-pinned or disk ("disk", as Dynamo reports it)."""
-        self.proc.stdin.write(json.dumps(tokens) + "\n")
+        device, host-pinned, and host-pinned or disk ("disk", as Dynamo reports it). A salted
+        request's blocks are only found under its `cache_namespace` (the salt)."""
+        self.proc.stdin.write(json.dumps({"tokens": tokens, "cache_namespace": cache_namespace}) + "\n")
         self.proc.stdin.flush()
         answer = self._answer(30.0)
         return {(int(w["worker_id"]), int(w["dp_rank"])): {"host": w["host_pinned_blocks"], "disk": w["disk_blocks"],

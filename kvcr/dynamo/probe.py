@@ -3,7 +3,8 @@
 
 A `KvRouter` from Dynamo's bindings follows the workers' event plane exactly as the frontend's
 router does (and recovers from their local indexers when it starts). Each stdin line is a JSON
-list of token ids; each stdout line is Dynamo's per-worker overlap for it, by tier.
+`{"tokens": [...], "cache_namespace": ...}` (the namespace may be null); each stdout line is
+Dynamo's per-worker overlap for it, by tier.
 """
 
 import asyncio
@@ -23,7 +24,8 @@ async def main(path: str, block_size: int) -> None:
     router = KvRouter(rt.endpoint(path), block_size, KvRouterConfig())
     print(json.dumps({"ready": True}), flush=True)
     while line := await loop.run_in_executor(None, sys.stdin.readline):
-        scores = await router.get_overlap_scores(json.loads(line))
+        query = json.loads(line)
+        scores = await router.get_overlap_scores(query["tokens"], cache_namespace=query["cache_namespace"])
         print(json.dumps(scores, default=str), flush=True)
     rt.shutdown()
 

@@ -26,6 +26,13 @@ def _nonneg_int(section: dict, key: str) -> int | None:
     return value
 
 
+def _optional_str(section: dict, key: str) -> str | None:
+    value = section.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BridgeRequestError(f"{key} must be a string, got {value!r}")
+    return value or None  # SGLang takes an empty salt as none
+
+
 def _section(request: dict, key: str) -> dict:
     value = request.get(key)
     if value is None:
@@ -56,6 +63,9 @@ def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False
     if stop.get("stop_token_ids_hidden"):
         sampling["stop_token_ids"] = list(stop["stop_token_ids_hidden"])
     body: dict[str, Any] = {"input_ids": tokens, "sampling_params": sampling, "stream": True}
+    salt = _optional_str(_section(request, "routing"), "cache_salt")
+    if salt is not None:
+        body["cache_salt"] = salt  # the tenant's namespace: Dynamo routed on it, the engine keys pages by it
     if request.get("kv_hint") is not None:
         body["kv_hints"] = request["kv_hint"]  # the name SGLang's /generate takes; the kvcr worker takes both
     if oracle:

@@ -14,7 +14,7 @@ import torch
 from ..proto.pull import PeerError
 from ..proto.announce import Announce, announce_request
 from ..proto.hints import FetchHint
-from ..proto.keys import U64_MASK, page_hashes
+from ..proto.keys import U64_MASK, request_page_hashes
 from ..proto.pool import PoolError
 from ..pulls import PeerPulls
 from ..runner import TIER_DRAM, TIER_NVME, Runner
@@ -128,14 +128,16 @@ class Engine:
         got = self.runner.read_into(POOL, keys[:n], views)  # fewer if a page was evicted meanwhile
         return got, unpack_pages(pages[:got]) if got else None
 
-    def prefill(self, tokens: list[int], *, hint: FetchHint | None = None, oracle: bool = False
-                ) -> tuple[torch.Tensor, KV, PrefillInfo]:
+    def prefill(self, tokens: list[int], *, hint: FetchHint | None = None, oracle: bool = False,
+                cache_salt: str | None = None) -> tuple[torch.Tensor, KV, PrefillInfo]:
+        """`cache_salt` seeds both chains as SGLang's do: another tenant's request makes other keys."""
         p = self.page_size
         full = len(tokens) // p
         usable = (len(tokens) - 1) // p  # at least one token is always computed
-        hexes = page_hashes(tokens[:full * p], p)
+        hexes = request_page_hashes(tokens[:full * p], p, cache_salt=cache_salt)
         keys = self.runner.keys(POOL, hexes)
-        announces = announce_request(tokens, p, num_pages=full)  # what peers and routers know the pages by
+        # what peers and routers know the pages by
+        announces = announce_request(tokens, p, num_pages=full, cache_salt=cache_salt)
         tiers = self.runner.tiers(POOL, keys[:usable])
         have = next((i for i, t in enumerate(tiers) if t not in (TIER_DRAM, TIER_NVME)), usable)
         source = None
@@ -181,9 +183,10 @@ class Engine:
         return Oracle(bool(torch.equal(cold, served)), float((one_shot[-1] - served).abs().max()))
 
     def generate(self, tokens: list[int], max_new_tokens: int, *, hint: FetchHint | None = None,
-                 oracle: bool = False, stop_ids: frozenset[int] = frozenset()) -> tuple[PrefillInfo, Iterator[int]]:
+                 oracle: bool = False, stop_ids: frozenset[int] = frozenset(),
+                 cache_salt: str | None = None) -> tuple[PrefillInfo, Iterator[int]]:
         """Prefill now; the returned iterator decodes greedily, one token per step."""
-        logits, kv, info = self.prefill(tokens, hint=hint, oracle=oracle)
+        logits, kv, info = self.prefill(tokens, hint=hint, oracle=oracle, cache_salt=cache_salt)
 
         def steps() -> Iterator[int]:
             nonlocal logits, kv

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 
-from ..text import RequestError, TextTokenizer, request_tokens
+from ..text import RequestError, TextTokenizer, request_cache_salt, request_tokens
 
 from ..metrics import RunnerCollector
 from ..proto.hints import FetchHint, HintError, extract_request_hint, parse_envelope
@@ -42,6 +42,7 @@ class Job:
     hint: FetchHint | None
     oracle: bool
     ignore_eos: bool
+    cache_salt: str | None = None  # the tenant's namespace: its pages are keyed and announced under it
 
 
 def _int_field(body: dict, key: str, default: int, lo: int, hi: int) -> int:
@@ -79,7 +80,8 @@ def parse_job(body: Any, route: str, tokenizer: TextTokenizer, max_positions: in
     if not isinstance(options, dict):
         raise RequestError("stream_options must be an object")
     return Job(tokens, max_new, bool(body.get("stream", False)), bool(options.get("include_usage")),
-               str(body.get("rid") or uuid.uuid4().hex), hint, bool(body.get("kvcr_oracle", False)), ignore_eos)
+               str(body.get("rid") or uuid.uuid4().hex), hint, bool(body.get("kvcr_oracle", False)), ignore_eos,
+               request_cache_salt(body))
 
 
 class WorkerCollector:
@@ -194,7 +196,7 @@ class Worker:
     async def _serve(self, request: web.Request, route: str, job: Job) -> web.StreamResponse:
         stop = frozenset() if job.ignore_eos or self.tokenizer.eos_id is None else frozenset({self.tokenizer.eos_id})
         info, steps = await self._run(self.engine.generate, job.tokens, job.max_new_tokens, hint=job.hint,
-                                      oracle=job.oracle, stop_ids=stop)
+                                      oracle=job.oracle, stop_ids=stop, cache_salt=job.cache_salt)
         served = r.Served(job.rid, int(time.time()), self.model_name, route, info, self.engine.page_size)
         self._remember(served, job.hint is not None)
         if not job.stream:

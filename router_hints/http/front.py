@@ -33,19 +33,6 @@ def strip_client_hints(body: dict) -> tuple[dict, int]:
     return out, removed
 
 
-def cache_salt(body: dict) -> str | None:
-    """The request's cache namespace: SGLang's `cache_salt` (on /generate and the OpenAI routes).
-
-    The engine hashes, stores and announces a salted request's pages under it (the index keys them
-    by the announced salt), so the request's blocks are hashed under it too; "" is none, as in SGLang."""
-    salt = body.get("cache_salt")
-    if salt is None or salt == "":
-        return None
-    if not isinstance(salt, str):  # SGLang refuses a list for one request as well
-        raise RequestError("cache_salt must be a string")
-    return salt
-
-
 def attach_hint(body: dict, envelope: dict) -> dict:
     """SGLang's /generate (and `kvcr worker`) take the envelope as `kv_hints`."""
     return {**body, "kv_hints": envelope}

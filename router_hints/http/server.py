@@ -28,7 +28,7 @@ from ..core import Route, RouterCore
 from ..discovery import DiscoveryError, from_runner_info
 from ..index import Worker
 from ..scoring import Load
-from kvcr.text import RequestError, TextTokenizer, request_tokens
+from kvcr.text import RequestError, TextTokenizer, request_cache_salt, request_tokens
 from . import front
 from .config import RouterConfig, RouterConfigError, WorkerEntry, load_router_config, parse_worker
 
@@ -218,7 +218,7 @@ class Router:
             try:
                 body, removed = front.strip_client_hints(await self._body(request))
                 tokens = request_tokens(body, route, self.tokenizer)
-                decision = self.decide(tokens, request.headers.get("X-KVCR-Target"), front.cache_salt(body))
+                decision = self.decide(tokens, request.headers.get("X-KVCR-Target"), request_cache_salt(body))
             except RequestError as exc:
                 return web.json_response({"error": {"message": str(exc)}}, status=400)
             except LookupError as exc:  # every worker (or the pinned one) is down
@@ -305,7 +305,7 @@ class Router:
         try:
             body = await self._body(request)
             tokens = request_tokens(body, route, self.tokenizer)
-            salt = front.cache_salt(body)
+            salt = request_cache_salt(body)
         except RequestError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         try:

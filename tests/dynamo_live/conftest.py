@@ -91,9 +91,10 @@ class DynamoWorker(Child):
     def served(self) -> int:
         return self.stats()["stats"]["requests"]
 
-    def held(self, probe: "Probe", text: str) -> dict:
-        """What Dynamo's index says this worker holds of `text`, by tier ({} if it does not know it)."""
-        return probe.overlaps(TOKENIZER.encode(text)).get((self.dynamo_id, 0), {})
+    def held(self, probe: "Probe", text: str, salt: str | None = None) -> dict:
+        """What Dynamo's index says this worker holds of `text` (under `salt`), by tier ({} if it
+        does not know it)."""
+        return probe.overlaps(TOKENIZER.encode(text), salt).get((self.dynamo_id, 0), {})
 
     def claims_held(self) -> float:
         text = http(self.info["kvcr_runner"]["endpoints"]["http"] + "/metrics")[2].decode()
@@ -139,23 +140,30 @@ def pair(dynamo):
     return fe, workers, probe
 
 
-def first_holder(fe: Frontend, workers: list, probe: Probe, text: str) -> tuple:
+def salted(salt: str | None) -> dict:
+    """A completion's fields for a tenant: Dynamo takes its cache salt in `nvext`."""
+    return {"nvext": {"cache_salt": salt}} if salt is not None else {}
+
+
+def first_holder(fe: Frontend, workers: list, probe: Probe, text: str, salt: str | None = None) -> tuple:
     """Send `text` through Dynamo; (the worker it chose, the other one), once Dynamo indexed the pages."""
-    fe.complete(text)
+    fe.complete(text, **salted(salt))
     holder = next(w for w in workers if w.served() == 1)
-    wait_for(lambda: holder.held(probe, text).get("host") == full_blocks(text), 10, "the prefix in Dynamo's index")
+    wait_for(lambda: holder.held(probe, text, salt).get("host") == full_blocks(text), 10,
+             "the prefix in Dynamo's index")
     return holder, next(w for w in workers if w is not holder)
 
 
 @contextlib.contextmanager
-def busy(fe: Frontend, worker: DynamoWorker, prefix: str):
+def busy(fe: Frontend, worker: DynamoWorker, prefix: str, salt: str | None = None):
     """A long request sharing `prefix` in flight on `worker` (its holder): Dynamo counts its blocks as
     load, so a short request on the prefix goes to the other worker, with a hint naming this one."""
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            fe.complete(prefix + " " + " ".join(f"tail{i}" for i in range(700)), max_tokens=600, ignore_eos=True)
+            fe.complete(prefix + " " + " ".join(f"tail{i}" for i in range(700)), max_tokens=600, ignore_eos=True,
+                        **salted(salt))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 

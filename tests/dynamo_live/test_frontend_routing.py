@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from kvcr.demo.httpc import http
-from tests.dynamo_live.conftest import BLOCK, MODEL, TOKENIZER, busy, first_holder, full_blocks, prompt, wait_for
+from tests.dynamo_live.conftest import (BLOCK, MODEL, TOKENIZER, busy, first_holder, full_blocks, prompt, salted,
+                                        wait_for)
 
 
 def oracle_clean(*workers) -> None:
@@ -51,3 +52,25 @@ def test_a_busy_holder_makes_dynamo_hint_the_other_worker_which_pulls_over_ucx(p
     # Both inventories now show in Dynamo's router: the pulled pages were kept and announced.
     wait_for(lambda: other.held(probe, p).get("host") == full_blocks(p), 10, "the pulled pages in Dynamo")
     assert holder.held(probe, p).get("host") == full_blocks(p)
+
+
+def test_a_tenants_pages_stay_in_its_namespace_in_dynamo_and_its_own_salt_pulls_on_the_hint(pair):
+    """`nvext.cache_salt` through Dynamo's frontend: the worker keys and announces the pages under
+    the salt, Dynamo files them under that namespace, another salt or none is served nothing of
+    them, and the same salt, its holder busy, pulls them on Dynamo's hint."""
+    fe, workers, probe = pair
+    p = prompt("tenant")
+    holder, other = first_holder(fe, workers, probe, p, "tenant-a")
+    assert holder.held(probe, p).get("host") == holder.held(probe, p, "tenant-b").get("host") == 0
+    for salt in (None, "tenant-b"):
+        answer = fe.complete(p, **salted(salt))
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, salt
+    assert other.stats()["stats"]["peer_pages"] == 0
+    with busy(fe, holder, p, "tenant-a"):
+        answer = fe.complete(p + " with another question", max_tokens=6, **salted("tenant-a"))
+    assert int(fe.selections()[-1]["worker_id"]) == other.dynamo_id, "Dynamo should prefer the idle worker"
+    assert other.stats()["stats"]["peer_pages"] == full_blocks(p)  # pulled on Dynamo's kv_hint
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == full_blocks(p) * BLOCK
+    oracle_clean(*workers)
+    wait_for(lambda: other.held(probe, p, "tenant-a").get("host") == full_blocks(p), 10,
+             "the pulled pages in Dynamo, under the tenant's namespace")

@@ -130,3 +130,23 @@ def _capture(errors: list, fn, *args, **kwargs) -> None:
         fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported by the test thread
         errors.append(exc)
+
+
+def test_a_tenants_pages_behind_dynamo_serve_only_its_own_salt(sglang_pair):
+    """Dynamo's `nvext.cache_salt` reaches SGLang as its `cache_salt`: the engine's pages are keyed,
+    announced and found under the tenant's namespace only."""
+    fe, engines, probe, tok = sglang_pair
+    p = words("tenant", 80)
+    tokens = tok.encode(p, add_special_tokens=False).ids
+    full = len(tokens) // BLOCK
+    complete(fe, p, nvext={"cache_salt": "tenant-a"})
+    holder = next(e for e in engines if int(fe.selections()[-1]["worker_id"]) == e.dynamo_id)
+    wait_for(lambda: probe.overlaps(tokens, "tenant-a")[(holder.dynamo_id, 0)]["host"] >= full - 1, 20,
+             "the holder's tenant-a pages in Dynamo")
+    assert probe.overlaps(tokens)[(holder.dynamo_id, 0)]["host"] == 0
+    for salt in (None, "tenant-b"):
+        answer = complete(fe, p + " then more", **({"nvext": {"cache_salt": salt}} if salt else {}))
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, salt
+    again = complete(fe, p + " then more", nvext={"cache_salt": "tenant-a"})
+    assert int(fe.selections()[-1]["worker_id"]) == holder.dynamo_id
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= (full - 1) * BLOCK
