@@ -16,6 +16,7 @@ import zmq
 
 from .config import CurveKeys
 from .drivers.shm import Region
+from .drivers.zmq_curve import secure_client
 from .proto import messages as m
 from .proto.announce import Announce
 from .proto.events import Event, decode_event
@@ -49,10 +50,7 @@ class ControlClient:
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:  # the deployment key is both the server's and ours
-            sock.curve_serverkey = self.curve.public
-            sock.curve_publickey = self.curve.public
-            sock.curve_secretkey = self.curve.secret
+        secure_client(sock, self.curve)
         sock.connect(self.endpoint)
         return sock
 

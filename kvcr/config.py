@@ -144,6 +144,7 @@ class EventsConfig:
     heartbeat_s: float = 1.0
     engine_endpoint: str = ""
     engine_replay_endpoint: str = ""
+    plain: bool = False  # no CURVE on events and replay even with keys: for consumers that hold none
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,6 +280,11 @@ class Config:
     def secured(self) -> bool:
         """CURVE keys configured (inline or through runner.keys_dir)."""
         return bool(self.runner.curve_public_key or self.runner.keys_dir)
+
+    @property
+    def events_curve(self) -> bool:
+        """Events and replay speak CURVE: whenever the runner has keys, unless `events.plain`."""
+        return self.secured and not self.events.plain
 
     @property
     def page_digests(self) -> bool:

@@ -168,8 +168,9 @@ class RunnerCollector:
                                   value=pulls.skipped_unreachable)
         yield CounterMetricFamily("kvcr_pull_untrusted_refused", "Pulls refused: the source is not a trusted peer",
                                   value=pulls.refused_untrusted)
-        yield CounterMetricFamily("kvcr_control_unauthenticated", "CURVE clients refused",
-                                  value=svc.control.num_unauthenticated)
+        yield CounterMetricFamily("kvcr_control_unauthenticated",
+                                  "CURVE clients refused (control, events and replay sockets)",
+                                  value=svc.gate.num_unauthenticated if svc.gate is not None else 0)
         yield CounterMetricFamily("kvcr_http_unauthorized", "/info requests refused for want of the token",
                                   value=svc.http.num_unauthorized)
         yield GaugeMetricFamily("kvcr_hinted_hashes", "Block hashes held from posted hints", value=pulls.hinted_hashes)

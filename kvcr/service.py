@@ -13,6 +13,7 @@ from . import __version__
 from .config import Config
 from .drivers.http import HttpServer
 from .drivers.zmq_control import ControlServer
+from .drivers.zmq_curve import CurveGate
 from .drivers.zmq_events import EventPublisher, SeqSource
 from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
@@ -31,11 +32,13 @@ class Service:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.ctx = zmq.Context()
+        curve = cfg.curve()
+        self.gate = CurveGate(self.ctx, curve) if curve is not None else None  # one per context
         ev = cfg.events
         self.publisher = EventPublisher(self.ctx, endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint,
                                         topic=ev.topic, dp_rank=cfg.runner.dp_rank, buffer_steps=ev.buffer_steps,
                                         queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir),
-                                        heartbeat_s=ev.heartbeat_s)
+                                        heartbeat_s=ev.heartbeat_s, gate=self.gate if cfg.events_curve else None)
         self.runner = Runner(cfg, publish=self.publisher.publish)
         self.plane: UcxPlane | None = None
         puller = None
@@ -47,7 +50,7 @@ class Service:
         self.pulls = PeerPulls(self.runner, puller)
         self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane,
                                      endpoint=cfg.runner.control_endpoint, info=self.info,
-                                     snapshot=self.snapshot, curve=cfg.curve())
+                                     snapshot=self.snapshot, gate=self.gate)
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
@@ -113,7 +116,7 @@ class Service:
                 "capabilities": list(CAPABILITIES), "incarnation": self.runner.incarnation,
                 "name": self.cfg.runner.name, "dp_rank": self.cfg.runner.dp_rank,
                 "block_size": self.cfg.runner.block_size, "event_format": self.cfg.events.event_format,
-                "heartbeat_s": self.cfg.events.heartbeat_s,
+                "heartbeat_s": self.cfg.events.heartbeat_s, "events_curve": self.cfg.events_curve,
                 "endpoints": {"events": self.publisher.bound_endpoint,
                               "replay": self.publisher.bound_replay_endpoint,
                               "control": self.control.bound_endpoint, "http": self.http.url},
@@ -153,6 +156,8 @@ class Service:
             self.plane.close()
         self.runner.shutdown()  # publishes the removals before the publisher drains and closes
         self.publisher.stop()
+        if self.gate is not None:
+            self.gate.stop()
         self.ctx.term()
 
     def serve_forever(self) -> None:

@@ -11,11 +11,12 @@ from .proto.events import BlockStored
 
 def tail(endpoint: str, replay: str | None, *, count: int = 0, timeout_s: float = 0.0,
          from_snapshot: str | None = None, out=sys.stdout) -> int:
+    from .config import CurveKeys
     from .drivers.zmq_subscriber import Delivery, Subscriber
 
     lost = []
     sub = Subscriber(on_unrepaired=lost.append)
-    sub.add("runner", endpoint, replay)
+    sub.add("runner", endpoint, replay, CurveKeys.from_env())  # the runner's keys speak CURVE on events too
 
     def snapshot() -> int:
         """Print the whole inventory (a consumer replaces its state with it); returns its seq."""

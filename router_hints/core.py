@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvcr.config import CurveKeys
 from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from kvcr.proto.events import EventBatch
 
-from .discovery import Publisher
+from .discovery import DiscoveryError, Publisher
 from .index import InventoryIndex, Overlap, Worker
 from .liveness import Liveness
 from .scoring import Choice, CostModel, Load, choose, choose_source
@@ -36,6 +37,7 @@ class RouterCore:
     rng: random.Random = field(default_factory=random.Random)
     dead_after_s: float = 0.0  # a kvcr runner's stream silent this long: the worker is dead (0: never)
     clock: Callable[[], float] = time.monotonic
+    curve: CurveKeys | None = None  # the deployment keypair, for runners whose events speak CURVE
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.dead_after_s)
@@ -48,9 +50,13 @@ class RouterCore:
         self.event_lag_s = 0.0  # publish-to-apply delay of the latest batch (publisher clock)
 
     def add(self, publisher: Publisher) -> None:
+        if publisher.events_curve and self.curve is None:
+            raise DiscoveryError(f"worker {publisher.worker_id}: its runner's events speak CURVE and the router "
+                                 "holds no keys (set KVCR_KEYS_DIR, docs/security.md)")
         worker = (publisher.worker_id, publisher.dp_rank)
         self.publishers[worker] = publisher
-        self.subscriber.add(f"{publisher.worker_id}:{publisher.dp_rank}", publisher.events, publisher.replay)
+        self.subscriber.add(f"{publisher.worker_id}:{publisher.dp_rank}", publisher.events, publisher.replay,
+                            self.curve if publisher.events_curve else None)
         if publisher.control:  # a kvcr runner: it heartbeats, so silence means it is gone
             self.liveness.watch(worker, self.clock())
 

@@ -22,6 +22,7 @@ class Publisher:
     replay: str | None
     control: str | None  # kvcr runners only: the source endpoint hints name
     role: str = "aggregated"
+    events_curve: bool = False  # a kvcr runner with keys: its events and replay speak CURVE
 
 
 def from_runner_info(worker_id: str, info: dict, *, block_size: int, role: str = "aggregated") -> Publisher:
@@ -33,7 +34,7 @@ def from_runner_info(worker_id: str, info: dict, *, block_size: int, role: str =
     if not isinstance(ep, dict) or not ep.get("events"):
         raise DiscoveryError(f"worker {worker_id}: runner info has no events endpoint")
     return Publisher(worker_id, int(info.get("dp_rank", 0)), block_size, ep["events"], ep.get("replay"),
-                     ep.get("control"), role)
+                     ep.get("control"), role, info.get("events_curve") is True)
 
 
 def from_sglang_server_info(worker_id: str, server_info: dict, host: str, *, block_size: int) -> list[Publisher]:

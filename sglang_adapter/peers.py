@@ -41,15 +41,21 @@ class PeerFeed:
     def _discover(self) -> None:
         for endpoint in list(self._waiting):
             try:
-                ep = fetch_info(endpoint, timeout_s=2.0, curve=self.curve)["endpoints"]
+                info = fetch_info(endpoint, timeout_s=2.0, curve=self.curve)
+                ep = info["endpoints"]
                 control, events, replay = ep["control"], ep["events"], ep.get("replay")
             except Exception as exc:  # unreachable yet, or an answer that is not a runner's info
                 log.debug("peer %s not usable yet: %s", endpoint, exc)
                 continue
             self._waiting.remove(endpoint)
-            if control != self.own:
-                self.subscriber.add(control, events, replay)
-                self._resync[control] = 0.0
+            if control == self.own:
+                continue
+            if info.get("events_curve") is True and self.curve is None:
+                log.warning("peer %s publishes its events with CURVE and this runner holds no keys: not followed",
+                            control)
+                continue
+            self.subscriber.add(control, events, replay, self.curve if info.get("events_curve") is True else None)
+            self._resync[control] = 0.0
 
     def _snapshot(self, control: str) -> None:
         try:

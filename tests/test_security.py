@@ -5,6 +5,7 @@ runner's back after its commit, which a pull in security mode never delivers."""
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -179,6 +180,57 @@ def test_a_key_directory_secures_a_runner_and_its_clients(runner_factory, tmp_pa
     (directory / "http.token").write_text("short\n")
     with pytest.raises(keys.KeysError, match="http.token must hold a token of at least 16 characters"):
         keys.load(directory)
+
+
+def batches_heard(info: dict, curve: CurveKeys | None, within_s: float) -> int:
+    """Batches a subscriber holding `curve` (None: no keys) hears on the runner's PUB socket
+    within `within_s` (an idle runner heartbeats every second)."""
+    from kvcr.drivers.zmq_subscriber import Delivery, Subscriber
+
+    sub = Subscriber()
+    sub.add("a", info["endpoints"]["events"], None, curve)
+    deadline, heard = time.monotonic() + within_s, 0
+    try:
+        while time.monotonic() < deadline and not heard:
+            heard += sum(isinstance(item, Delivery) for item in sub.poll(100))
+    finally:
+        sub.close()
+    return heard
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_events_and_replay_speak_curve_with_keys_unless_published_plain(runner_factory, curve_pair, plain):
+    from kvcr.drivers.zmq_replay import fetch_replay
+
+    keys_cfg, curve = curve_pair
+    info = runner_factory("a", **{"dram.pools": POOLS, **keys_cfg, "events.plain": plain}).start()
+    assert info["events_curve"] is not plain
+    _put(info, curve, 2, seed=5)
+    keyed = None if plain else curve
+    replay = fetch_replay(zmq.Context.instance(), info["endpoints"]["replay"], 0, 5000, keyed)
+    assert replay.complete and any(batch.events for _, batch in replay.batches)
+    assert batches_heard(info, keyed, within_s=10) >= 1
+    keyless = fetch_replay(zmq.Context.instance(), info["endpoints"]["replay"], 0, 1000)
+    assert keyless.complete is plain and bool(keyless.batches) is plain
+    assert (batches_heard(info, None, within_s=3) >= 1) is plain
+
+
+def test_the_router_follows_a_runners_curve_events_only_with_the_deployment_keys(runner_factory, curve_pair):
+    from router_hints.core import RouterCore
+    from router_hints.discovery import DiscoveryError, from_runner_info
+
+    keys_cfg, curve = curve_pair
+    info = runner_factory("a", **{"dram.pools": POOLS, **keys_cfg}).start()
+    publisher = from_runner_info("a", info, block_size=info["block_size"])
+    with pytest.raises(DiscoveryError, match="events speak CURVE and the router holds no keys"):
+        RouterCore(block_size=info["block_size"]).add(publisher)
+    core = RouterCore(block_size=info["block_size"], curve=curve)
+    core.add(publisher)
+    try:
+        _put(info, curve, 3, seed=6)
+        wait_until(lambda: core.poll(100) >= 0 and core.index.num_blocks() == 3, 10, 0, "the router indexed 3 blocks")
+    finally:
+        core.close()
 
 
 @pytest.mark.parametrize("front_host, overrides, refused", [

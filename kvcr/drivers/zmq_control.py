@@ -14,10 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import zmq
-import zmq.utils.z85
-from zmq.auth.thread import ThreadAuthenticator
 
-from ..config import CurveKeys
 from ..proto import messages as m
 from ..proto.announce import Announce
 from ..proto.claims import MAX_LEASE_S, ClaimError
@@ -29,6 +26,7 @@ from ..proto.pull import NoPuller, PeerError
 
 if TYPE_CHECKING:
     from ..pulls import PeerPulls
+    from .zmq_curve import CurveGate
     from ..runner import Runner
     from .ucx_plane import UcxPlane
 
@@ -54,10 +52,8 @@ def _check_lease(lease_s: float) -> None:
 class ControlServer:
     def __init__(self, ctx: zmq.Context, runner: Runner, pulls: PeerPulls, plane: UcxPlane | None, *, endpoint: str,
                  info: Callable[[], dict], snapshot: Callable[[], tuple[int, list]],
-                 curve: CurveKeys | None = None) -> None:
-        self._curve = curve
-        self._auth: ThreadAuthenticator | None = None
-        self.num_unauthenticated = 0
+                 gate: CurveGate | None = None) -> None:
+        self._gate = gate
         self._ctx = ctx
         self.runner = runner
         self.pulls = pulls
@@ -90,24 +86,6 @@ class ControlServer:
         if not self._ready.wait(timeout) or self._error is not None:
             raise RuntimeError(f"control socket failed to start: {self._error}")
 
-    def _start_auth(self, sock: zmq.Socket) -> None:
-        """CURVE: encrypted, and only clients holding an allowed key are let in (ZAP)."""
-        allowed = self._curve.allowed
-
-        class Allowed:
-            def callback(inner, domain: str, key: bytes) -> bool:  # noqa: N805 (zmq's provider API)
-                ok = zmq.utils.z85.encode(key) in allowed if len(key) == 32 else key in allowed
-                if not ok:
-                    self.num_unauthenticated += 1
-                return ok
-
-        self._auth = ThreadAuthenticator(self._ctx)
-        self._auth.start()
-        self._auth.configure_curve_callback("*", credentials_provider=Allowed())
-        sock.curve_secretkey = self._curve.secret
-        sock.curve_publickey = self._curve.public
-        sock.curve_server = True
-
     def health(self) -> str:
         if self._error is not None:
             return f"control socket failed: {self._error!r}"
@@ -118,16 +96,14 @@ class ControlServer:
         self._serving.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
         self._thread.join(timeout)
-        if self._auth is not None:
-            self._auth.stop()
 
     def _run(self) -> None:
         try:
             sock = self._ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            if self._curve is not None:
-                self._start_auth(sock)
+            if self._gate is not None:  # encrypted, and only clients holding an allowed key get in
+                self._gate.secure(sock)
             sock.bind(self._endpoint)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as exc:

@@ -21,6 +21,7 @@ from typing import Sequence
 import zmq
 
 from ..proto.events import REPLAY_END_SEQ, Event, EventBatch, decode_seq, encode_seq
+from .zmq_curve import CurveGate
 
 log = logging.getLogger(__name__)
 SEQ_RESERVATION = 1 << 20
@@ -65,8 +66,9 @@ class SeqSource:
 class EventPublisher:
     def __init__(self, ctx: zmq.Context, *, endpoint: str, replay_endpoint: str, topic: str = "",
                  dp_rank: int | None = 0, buffer_steps: int = 10_000, queue_size: int = 100_000,
-                 seq: SeqSource | None = None, heartbeat_s: float = 1.0) -> None:
+                 seq: SeqSource | None = None, heartbeat_s: float = 1.0, gate: CurveGate | None = None) -> None:
         self._ctx = ctx
+        self._gate = gate
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -122,10 +124,13 @@ class EventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, 100_000)
             pub.setsockopt(zmq.LINGER, 1000)
-            pub.bind(self._endpoint)
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.SNDHWM, 2 * (self._replay.maxlen + 1))
             replay.setsockopt(zmq.LINGER, 0)
+            if self._gate is not None:  # only subscribers holding an allowed key hear the stream
+                self._gate.secure(pub)
+                self._gate.secure(replay)
+            pub.bind(self._endpoint)
             replay.bind(self._replay_endpoint)
             self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)

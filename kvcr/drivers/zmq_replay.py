@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvcr.config import CurveKeys
 from kvcr.proto.events import REPLAY_END_SEQ, EventBatch, EventError, decode_frames, encode_seq
+from .zmq_curve import secure_client
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,9 +18,11 @@ class ReplayAnswer:
     complete: bool  # the end marker arrived before the timeout
 
 
-def fetch_replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int) -> ReplayAnswer:
+def fetch_replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int,
+                 curve: CurveKeys | None = None) -> ReplayAnswer:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, curve)
     sock.connect(endpoint)
     batches: list[tuple[int, EventBatch]] = []
     malformed = 0

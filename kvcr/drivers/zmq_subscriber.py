@@ -12,8 +12,10 @@ from typing import Callable, Iterator
 
 import zmq
 
+from kvcr.config import CurveKeys
 from kvcr.proto.events import AllBlocksCleared, EventBatch, EventError, decode_frames
 from kvcr.proto.stream import StreamTracker, Verdict
+from .zmq_curve import secure_client
 from .zmq_replay import ReplayAnswer, fetch_replay
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class _Publisher:
     name: str
     endpoint: str
     replay_endpoint: str | None
+    curve: CurveKeys | None
     tracker: StreamTracker = field(default_factory=StreamTracker)
 
 
@@ -55,13 +58,16 @@ class Subscriber:
         self.on_unrepaired = on_unrepaired
         self.num_malformed = 0
 
-    def add(self, name: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+    def add(self, name: str, endpoint: str, replay_endpoint: str | None = None,
+            curve: CurveKeys | None = None) -> None:
+        """`curve`: the deployment keypair, for a publisher whose events and replay speak CURVE."""
         # One SUB socket per publisher: frames carry no sender, so the socket tells streams apart.
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, curve)
         sock.connect(endpoint)
-        self._publishers[name] = _Publisher(name, endpoint, replay_endpoint)
+        self._publishers[name] = _Publisher(name, endpoint, replay_endpoint, curve)
         self._sockets[name] = sock
 
     def remove(self, name: str) -> None:
@@ -117,7 +123,7 @@ class Subscriber:
         if pub.replay_endpoint is None:
             answer = ReplayAnswer((), 0, True)
         else:
-            answer = fetch_replay(self._ctx, pub.replay_endpoint, start, self.replay_timeout_ms)
+            answer = fetch_replay(self._ctx, pub.replay_endpoint, start, self.replay_timeout_ms, pub.curve)
         self.num_malformed += answer.num_malformed
         plan = pub.tracker.plan_replay([s for s, _ in answer.batches], start, trigger)
         if plan.lost is not None:

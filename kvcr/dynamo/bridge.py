@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from ..client import fetch_info
+from ..config import CurveKeys
 from ..keys import client_http_token
 from ..proto.hints import WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
 from .feed import FeedRelay
@@ -47,6 +48,7 @@ class RunnerView:
     control: str
     dram_capacity: int
     heartbeat_s: float  # 0: the runner sends no heartbeats, so silence proves nothing
+    events_curve: bool = False  # the runner has keys: its events and replay speak CURVE
 
 
 def _get_json(url: str, timeout_s: float = 5.0) -> dict:
@@ -66,7 +68,18 @@ def runner_view(info: dict, *, dp_rank: int | None) -> RunnerView:
                           "drop every batch the runner publishes; set one of them to match the other")
     capacity = sum(int(p.get("num_slots", 0)) for p in info.get("pools") or [])
     return RunnerView(rank, int(info["block_size"]), ep["events"], ep.get("replay"), ep["control"], capacity,
-                      float(info.get("heartbeat_s", 0.0)))
+                      float(info.get("heartbeat_s", 0.0)), info.get("events_curve") is True)
+
+
+def feed_keys(runner: RunnerView) -> CurveKeys | None:
+    """The deployment keys (KVCR_KEYS_DIR or KVCR_CURVE_*) when the runner's events speak CURVE."""
+    if not runner.events_curve:
+        return None
+    curve = CurveKeys.from_env()
+    if curve is None:
+        raise BridgeError("the runner's events speak CURVE and the bridge holds no keys: set KVCR_KEYS_DIR to the "
+                          "deployment's key directory (docs/security.md)")
+    return curve
 
 
 def dead_after(runner: RunnerView, explicit: float | None) -> float:
@@ -210,7 +223,8 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     runner = runner_view(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
     feed = FeedRelay(events=runner.events, replay=runner.replay, control=runner.control,
-                     dp_rank=runner.dp_rank, dead_after_s=dead_after(runner, args.dead_after)).start()
+                     dp_rank=runner.dp_rank, dead_after_s=dead_after(runner, args.dead_after),
+                     curve=feed_keys(runner)).start()
     forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle)
     rt = publisher = serving = None
     try:

@@ -15,6 +15,7 @@ import time
 import zmq
 
 from ..client import ControlClient, ControlError
+from ..config import CurveKeys
 from ..drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from ..proto.dynamo_feed import DynamoFeed
 from ..proto.events import MEDIUM_DISK, MEDIUM_DRAM, Event, EventBatch, batch_frames
@@ -26,13 +27,13 @@ SNAPSHOT_RETRY_S = 1.0
 
 class FeedRelay:
     def __init__(self, *, events: str, replay: str | None, control: str, dp_rank: int,
-                 dead_after_s: float = 3.0, bind: str = "tcp://127.0.0.1:0") -> None:
+                 dead_after_s: float = 3.0, bind: str = "tcp://127.0.0.1:0", curve: CurveKeys | None = None) -> None:
         self.ctx = zmq.Context.instance()
         self.control = control
         self.dp_rank = dp_rank
         self.state = DynamoFeed(dead_after_s)
         self.subscriber = Subscriber(ctx=self.ctx)
-        self.subscriber.add(RUNNER, events, replay)
+        self.subscriber.add(RUNNER, events, replay, curve)
         self.xpub = self.ctx.socket(zmq.XPUB)
         self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscribe, even a repeated one, is a resync
         self.xpub.setsockopt(zmq.LINGER, 0)

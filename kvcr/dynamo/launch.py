@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import ENV_PUBLIC, ENV_SECRET, CurveKeys
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -70,6 +72,14 @@ def _die_with(parent: int):
         if os.getppid() != parent:  # the parent died before the line above
             os._exit(1)
     return preexec
+
+
+def keys_env(curve: CurveKeys | None) -> dict | None:
+    """The environment a bridge for a runner with keys needs (its events, replay and control speak
+    CURVE): ours plus the deployment keypair; None (inherit) without keys."""
+    if curve is None:
+        return None
+    return {**os.environ, ENV_PUBLIC: curve.public.decode(), ENV_SECRET: curve.secret.decode()}
 
 
 def start_bridge(options: BridgeOptions, *, log_path: str | None = None, env: dict | None = None) -> subprocess.Popen:

@@ -44,7 +44,7 @@ def build(args: argparse.Namespace, overrides: dict) -> Worker:
 
 def dynamo_companion(args: argparse.Namespace, worker: Worker):
     """Starts the Dynamo bridge for this worker once its HTTP front is up (`--dynamo`)."""
-    from ..dynamo.launch import BridgeOptions, bridge_file, dynamo_python, start_bridge
+    from ..dynamo.launch import BridgeOptions, bridge_file, dynamo_python, keys_env, start_bridge
     from ..dynamo.model_dir import write_model_dir
 
     python = dynamo_python(args.dynamo_python)  # fail before serving, not after
@@ -62,7 +62,7 @@ def dynamo_companion(args: argparse.Namespace, worker: Worker):
                                 model_name=args.dynamo_model_name or worker.model_name,
                                 namespace=args.dynamo_namespace, oracle=args.dynamo_oracle,
                                 ready_file=ready)
-        return start_bridge(options)
+        return start_bridge(options, env=keys_env(worker.service.cfg.curve()))
     return start
 
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 
 from ..index import Worker
 from ..scoring import Load
-from kvcr.text import RequestError
 
 CLIENT_HINT_KEYS = ("kv_hint", "kv_hints", "router_hint")
 

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvcr.client import fetch_info
+from kvcr.config import CurveKeys
 from kvcr.keys import client_http_token
 from kvcr.client import ControlClient, ControlError
 from kvcr.proto import messages as m
@@ -71,7 +72,8 @@ class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.tokenizer = TextTokenizer(cfg.tokenizer or None)
-        self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost, dead_after_s=cfg.dead_after_s)
+        self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost, dead_after_s=cfg.dead_after_s,
+                               curve=CurveKeys.from_env())
         self.entries: dict[Worker, WorkerEntry] = {}
         self.metrics = RouterMetrics(self)
         self._posting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcr-router-post")  # owns the sockets

@@ -74,3 +74,18 @@ def test_a_tenants_pages_stay_in_its_namespace_in_dynamo_and_its_own_salt_pulls_
     oracle_clean(*workers)
     wait_for(lambda: other.held(probe, p, "tenant-a").get("host") == full_blocks(p), 10,
              "the pulled pages in Dynamo, under the tenant's namespace")
+
+
+def test_a_worker_with_keys_hands_them_to_its_bridge_which_follows_its_curve_events(dynamo, tmp_path):
+    """With `runner.keys_dir` the runner's events, replay and control speak CURVE: the worker gives
+    its bridge the deployment keys, so Dynamo still learns every page it stores."""
+    from kvcr import keys
+
+    keys.init(tmp_path / "keys")
+    fe = dynamo.frontend()
+    secured = dynamo.worker("wk", "--set", f"runner.keys_dir={tmp_path / 'keys'}")
+    probe = dynamo.probe()
+    p = prompt("secured")
+    fe.complete(p)
+    assert secured.served() == 1
+    wait_for(lambda: secured.held(probe, p).get("host") == full_blocks(p), 20, "the secured worker's pages in Dynamo")
