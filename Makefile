@@ -27,11 +27,13 @@ $(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
 	$(PIP) install -e '.[test,demo]' '$(TORCH)'
 	touch $@
 
-# SGLang builds its page-hash extension on first use: g++, ninja and the OpenSSL headers.
+# SGLang builds its page-hash extension on first use: g++, ninja and the OpenSSL headers. The
+# test hosts' packet loss is made with nftables (tests/netns.py).
 system-deps:
-	@command -v g++ >/dev/null && command -v ninja >/dev/null && test -e /usr/include/openssl/sha.h || { \
+	@command -v g++ >/dev/null && command -v ninja >/dev/null && test -e /usr/include/openssl/sha.h \
+		&& command -v nft >/dev/null || { \
 		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
-		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq g++ ninja-build libssl-dev; }
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq g++ ninja-build libssl-dev nftables; }
 
 $(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install '$(TORCH)'

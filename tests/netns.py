@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -83,9 +84,26 @@ class TestHost:
     def link(self, up: bool) -> None:
         self.sh(f"ip link set eth0 {'up' if up else 'down'}")
 
+    def lose(self, percent: int) -> None:
+        """Drop each packet this host sends or receives on eth0 with this probability (nftables'
+        random numbers: real loss, which this kernel cannot make with netem); 0 lifts it."""
+        self.sh("nft delete table inet kvcr_loss", check=False)
+        if percent:
+            rule = f"iifname eth0 numgen random mod 100 < {percent} counter drop"
+            self.sh("nft add table inet kvcr_loss && "
+                    "nft add chain inet kvcr_loss rx '{ type filter hook input priority 0; }' && "
+                    "nft add chain inet kvcr_loss tx '{ type filter hook output priority 0; }' && "
+                    f"nft add rule inet kvcr_loss rx '{rule}' && "
+                    f"nft add rule inet kvcr_loss tx '{rule.replace('iifname', 'oifname')}'")
+
+    def dropped(self) -> int:
+        """Packets the loss rules dropped so far (0 without them)."""
+        out = self.sh("nft list table inet kvcr_loss", check=False)
+        return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
+
     def shape(self, rate: str = "") -> None:
         """Limit what this host sends to `rate` (tc tbf, e.g. "16mbit"); "" lifts the limit. (This
-        machine's kernel has no sch_netem, so delay, loss and reordering cannot be made here.)"""
+        machine's kernel has no sch_netem, so delay and reordering cannot be made here.)"""
         self.sh("tc qdisc del dev eth0 root", check=False)
         if rate:
             self.sh(f"tc qdisc add dev eth0 root tbf rate {rate} burst 64kb latency 2s")

@@ -1,9 +1,10 @@
 """Peer pulls between test hosts that are really apart (tests/netns.py): UCX over TCP on each
-host's veth, CURVE on every control socket, faults made with `ip link` and `tc` (a rate limit:
-this kernel has no netem), and a host that loses every process at once."""
+host's veth, CURVE on every control socket, faults made with `ip link`, `tc` (a rate limit: this
+kernel has no netem) and nftables (packet loss), and a host that loses every process at once."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -139,6 +140,30 @@ def test_a_link_that_drops_mid_pull_delivers_no_wrong_byte_and_heals(cluster):
     assert metric(cluster["b"], 'kvcr_pages{pool="kv",state="quarantined"}') == 0
     wait_until(lambda: metric(cluster["a"], "kvcr_claims_held") == 0, 10, 0.1, "a's claim ended by its lease")
     assert wait_until(lambda: pull(cluster, keys) == PAGES, 20, 0.5, "a pull after the link healed")
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="packet loss is made with nftables: `nft` is not installed")
+@pytest.mark.parametrize("percent", [3, 60])
+def test_a_pull_across_a_lossy_link_delivers_no_wrong_byte_and_recovers(cluster, percent):
+    """Real loss on the source host's link, both ways: TCP repairs a few percent (every page
+    arrives); at 60 % the pull fails by its timeouts. Either way nothing wrong is kept, nothing is
+    quarantined, the source's claim ends, and with the loss lifted the same pull brings every page."""
+    keys = pages_for(PAGES, seed=1, page_bytes=PAGE)[0]
+    h1, h2, h3 = cluster["hosts"]
+    h1.lose(percent)
+    try:
+        got = pull(cluster, keys)
+        assert h1.dropped() > 0  # the loss was real
+    finally:
+        h1.lose(0)
+    if percent < 10:
+        assert got == PAGES
+    if got:
+        check = cluster["on_host"](h3, "pull", cluster["b"]["endpoints"]["control"], PAGES, 1)
+        assert check["delivered"] == got and check["wrong"] == 0
+    assert metric(cluster["b"], 'kvcr_pages{pool="kv",state="quarantined"}') == 0
+    wait_until(lambda: metric(cluster["a"], "kvcr_claims_held") == 0, 10, 0.1, "a's claim ended")
+    assert wait_until(lambda: pull(cluster, keys) == PAGES, 20, 0.5, "a pull once the loss is lifted")
 
 
 def test_a_source_host_that_never_comes_back_costs_one_control_timeout(cluster):
