@@ -46,6 +46,7 @@ class RouterCore:
         self.publishers: dict[Worker, Publisher] = {}
         self.loads: dict[Worker, Load] = {}
         self.num_batches = 0
+        self.num_gaps = self.num_replayed = self.num_snapshots = 0  # how the index was kept whole
         self.needs_snapshot: set[Worker] = set()  # lost a gap replay could not repair
         self.event_lag_s = 0.0  # publish-to-apply delay of the latest batch (publisher clock)
 
@@ -87,6 +88,7 @@ class RouterCore:
         self.index.apply(worker[0], EventBatch(ts=time.time(), events=tuple(events), dp_rank=worker[1]), worker[1])
         self.subscriber.start_after(f"{worker[0]}:{worker[1]}", seq)
         self.needs_snapshot.discard(worker)
+        self.num_snapshots += 1
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply whatever arrived; returns the batches applied."""
@@ -96,7 +98,10 @@ class RouterCore:
                 # A publisher whose seq went back restarted: what it held before is gone.
                 worker_id, dp = item.publisher.rsplit(":", 1)
                 self.index.clear((worker_id, int(dp)))
+            elif isinstance(item, Notice):
+                self.num_gaps += item.kind == "gap"
             elif isinstance(item, Delivery):
+                self.num_replayed += item.replayed
                 worker_id, dp = item.publisher.rsplit(":", 1)
                 if self.liveness.heard((worker_id, int(dp)), self.clock()):
                     self.needs_snapshot.add((worker_id, int(dp)))  # back: what it holds now is in its snapshot

@@ -96,6 +96,17 @@ class TestHost:
                     f"nft add rule inet kvcr_loss rx '{rule}' && "
                     f"nft add rule inet kvcr_loss tx '{rule.replace('iifname', 'oifname')}'")
 
+    def reset_port(self, port: int, on: bool) -> None:
+        """Answer every packet to or from TCP `port` on eth0 with a reset (connections through it
+        end at once, on both sides, at their next packet); `on=False` lifts it."""
+        self.sh("nft delete table inet kvcr_reset", check=False)
+        if on:
+            self.sh("nft add table inet kvcr_reset && "
+                    "nft add chain inet kvcr_reset rx '{ type filter hook input priority 0; }' && "
+                    "nft add chain inet kvcr_reset tx '{ type filter hook output priority 0; }' && "
+                    f"nft add rule inet kvcr_reset rx 'iifname eth0 tcp dport {port} reject with tcp reset' && "
+                    f"nft add rule inet kvcr_reset tx 'oifname eth0 tcp sport {port} reject with tcp reset'")
+
     def dropped(self) -> int:
         """Packets the loss rules dropped so far (0 without them)."""
         out = self.sh("nft list table inet kvcr_loss", check=False)

@@ -233,6 +233,34 @@ def test_a_router_cut_from_a_workers_stream_stops_routing_there_and_resyncs_when
     assert down_after < 2.0 + 5
 
 
+@pytest.mark.skipif(shutil.which("nft") is None, reason="connection resets are made with nftables: `nft` is not installed")
+def test_a_router_whose_event_connection_is_reset_reconnects_and_repairs_the_gap_by_replay(routed, hosts):
+    """w2's event connection is reset (both ends) for a second, shorter than `dead_after_s`, while
+    w2 stores new pages: their batches are published to nobody. The router's pings end its side,
+    ZMQ reconnects once the port answers, the next batch shows the gap and replay fills it, so the
+    router indexes the pages without a snapshot and w2 is never declared down."""
+    front, (w1, w2) = routed
+    text = "Pages w2 stores while the router cannot hear it; replay must bring their events. " * 4
+    router_metric = lambda name: next(float(line.split()[-1]) for line in http(front.url + "/metrics")[2].decode()
+                                      .splitlines() if line.startswith(name + " "))
+    overlap = lambda: {r["worker"]: r["overlap"]["host"] for r in
+                       json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
+    wait_until(lambda: router_metric("kvcr_router_event_batches") > 0, 10, 0.1, "the router hearing both")
+    snapshots, gaps = router_metric("kvcr_router_snapshots_loaded"), router_metric("kvcr_router_event_gaps")
+    hosts[1].reset_port(5557, True)
+    try:
+        time.sleep(0.3)  # w2's next heartbeat meets the reset: its side of the connection is gone
+        _, out = generate(w2.url, text)  # stored now: the batch goes to no subscriber
+        stored = out["meta_info"]["kvcr"]["stored_pages"]
+        assert stored > 0 and overlap().get("w2", 0) == 0
+    finally:
+        hosts[1].reset_port(5557, False)
+    wait_until(lambda: overlap().get("w2", 0) == stored, 10, 0.1, "w2's pages indexed from replay")
+    assert router_metric("kvcr_router_event_gaps") > gaps and router_metric("kvcr_router_batches_replayed") >= 1
+    assert router_metric("kvcr_router_snapshots_loaded") == snapshots
+    assert router_metric("kvcr_router_workers_down") == 0
+
+
 def test_a_source_partitioned_while_it_holds_claims_ends_them_by_lease_and_serves_after(cluster):
     keys = pages_for(PAGES, seed=1, page_bytes=PAGE)[0]
     h1 = cluster["hosts"][0]

@@ -49,13 +49,14 @@ class _Publisher:
 
 class Subscriber:
     def __init__(self, *, ctx: zmq.Context | None = None, topic: bytes = b"", replay_timeout_s: float = 2.0,
-                 on_unrepaired: Callable[[str], None] | None = None) -> None:
+                 on_unrepaired: Callable[[str], None] | None = None, heartbeat_s: float = 1.0) -> None:
         self._ctx = ctx or zmq.Context.instance()
         self._topic = topic
         self._publishers: dict[str, _Publisher] = {}
         self._sockets: dict[str, zmq.Socket] = {}
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
         self.on_unrepaired = on_unrepaired
+        self.heartbeat_ms = int(heartbeat_s * 1000)
         self.num_malformed = 0
 
     def add(self, name: str, endpoint: str, replay_endpoint: str | None = None,
@@ -65,6 +66,12 @@ class Subscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.heartbeat_ms:
+            # A SUB sends nothing, so a connection its publisher's side dropped (reset, or a host
+            # gone without a FIN) would look open for good: a ping unanswered for three beats
+            # closes it, ZMQ reconnects, and the batches missed show as a gap replay repairs.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self.heartbeat_ms)
         secure_client(sock, curve)
         sock.connect(endpoint)
         self._publishers[name] = _Publisher(name, endpoint, replay_endpoint, curve)

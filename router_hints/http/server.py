@@ -59,6 +59,12 @@ class RouterMetrics:
               registry=r).set_function(lambda: app.core.event_lag_s)
         Gauge("kvcr_router_event_batches", "Event batches applied", registry=r).set_function(
             lambda: app.core.num_batches)
+        Gauge("kvcr_router_event_gaps", "Gaps seen in workers' event streams", registry=r).set_function(
+            lambda: app.core.num_gaps)
+        Gauge("kvcr_router_batches_replayed", "Batches a gap's replay delivered", registry=r).set_function(
+            lambda: app.core.num_replayed)
+        Gauge("kvcr_router_snapshots_loaded", "Inventory snapshots loaded (a join, an unrepaired gap, a return)",
+              registry=r).set_function(lambda: app.core.num_snapshots)
         Gauge("kvcr_router_malformed_frames", "Event frames skipped as malformed", registry=r).set_function(
             lambda: app.core.subscriber.num_malformed)
         self.inflight = Gauge("kvcr_router_inflight", "Requests in flight, by worker", ["worker"], registry=r)
