@@ -476,3 +476,26 @@ def test_workers_join_and_leave_through_info_files_in_the_discovery_directory(tm
     finally:
         for p in (front, joined):
             p.stop()
+
+
+def dynamo_card(runtime_data: dict) -> dict:
+    """A Dynamo model card as etcd holds it (the fields read here; tests/dynamo_live reads real ones)."""
+    return {"type": "Model", "card_json": {"runtime_config": {"runtime_data": runtime_data}}}
+
+
+def test_the_kvcr_workers_among_dynamos_model_cards_become_worker_entries():
+    from router_hints.http.dynamo_discovery import entries_from_cards
+
+    entries, problems = entries_from_cards({
+        "v1/mdc/kvcr/backend/generate/a": dynamo_card({"router_hint": True, "kvcr_worker": {
+            "name": "wa", "url": "http://10.0.0.1:8000"}}),
+        "v1/mdc/kvcr/backend/generate/b": dynamo_card({"kvcr_worker": {
+            "name": "sb", "url": "http://10.0.0.2:30000", "runner": "http://10.0.0.2:9400", "engine": "sglang"}}),
+        "v1/mdc/kvcr/backend/generate/c": dynamo_card({"router_hint": True}),  # a Dynamo worker, not kvcr's
+        "v1/mdc/kvcr/backend/generate/d": dynamo_card({"kvcr_worker": {"name": "wd", "url": "ftp://x"}}),
+        "v1/mdc/kvcr/backend/generate/e": {"type": "Model"},
+    })
+    assert {k.rsplit("/", 1)[1]: (e.name, e.url, e.runner, e.engine) for k, e in entries.items()} == {
+        "a": ("wa", "http://10.0.0.1:8000", "", "kvcr-worker"),
+        "b": ("sb", "http://10.0.0.2:30000", "http://10.0.0.2:9400", "sglang")}
+    assert len(problems) == 1 and "generate/d kvcr_worker.url = 'ftp://x' must be an http:// URL" in problems[0]

@@ -27,7 +27,7 @@ import aiohttp
 from ..client import fetch_info
 from ..config import CurveKeys
 from ..keys import client_http_token
-from ..proto.hints import WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
+from ..proto.hints import KVCR_WORKER_KEY, WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
 from .feed import FeedRelay
 from .requests import BridgeRequestError, StreamDecoder, generate_body
 
@@ -48,6 +48,7 @@ class RunnerView:
     control: str
     dram_capacity: int
     heartbeat_s: float  # 0: the runner sends no heartbeats, so silence proves nothing
+    name: str = ""  # the runner's runner.name: the worker's name in a kvcr router
     events_curve: bool = False  # the runner has keys: its events and replay speak CURVE
 
 
@@ -68,7 +69,7 @@ def runner_view(info: dict, *, dp_rank: int | None) -> RunnerView:
                           "drop every batch the runner publishes; set one of them to match the other")
     capacity = sum(int(p.get("num_slots", 0)) for p in info.get("pools") or [])
     return RunnerView(rank, int(info["block_size"]), ep["events"], ep.get("replay"), ep["control"], capacity,
-                      float(info.get("heartbeat_s", 0.0)), info.get("events_curve") is True)
+                      float(info.get("heartbeat_s", 0.0)), str(info.get("name", "")), info.get("events_curve") is True)
 
 
 def feed_keys(runner: RunnerView) -> CurveKeys | None:
@@ -188,7 +189,15 @@ def runtime_config(runner: RunnerView, args: argparse.Namespace):
     rc.data_parallel_size = 1
     for key, value in dynamo_advertisement({runner.dp_rank: runner.control}, args.worker_type).items():
         rc.set_engine_specific(key, json.dumps(value))
+    rc.set_engine_specific(KVCR_WORKER_KEY, json.dumps(kvcr_worker(runner, args)))
     return rc
+
+
+def kvcr_worker(runner: RunnerView, args: argparse.Namespace) -> dict:
+    """How a kvcr router that watches Dynamo's discovery routes to this worker (its worker entry)."""
+    if args.runner:
+        return {"name": runner.name, "url": args.backend, "runner": args.runner, "engine": "sglang"}
+    return {"name": runner.name, "url": args.backend}
 
 
 def write_ready(path: str, worker_id: int, runner: RunnerView, feed: FeedRelay) -> None:

@@ -113,6 +113,11 @@ def build_envelope(source_control_endpoint: str, block_hashes: Iterable[int], *,
 WORKER_TYPES = ("aggregated", "prefill", "decode")
 
 
+# The runtime-data key under which a kvcr bridge advertises its worker entry in Dynamo's discovery
+# (a kvcr router watching it routes there).
+KVCR_WORKER_KEY = "kvcr_worker"
+
+
 def dynamo_advertisement(control_endpoints: dict[int, str], worker_type: str = "aggregated") -> dict[str, Any]:
     """The runtime-config keys a Dynamo worker advertises to be named as a hint source, from its
     runners' control endpoints per global DP rank."""

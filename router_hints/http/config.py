@@ -40,6 +40,8 @@ class RouterConfig:
     operator_token: str  # X-KVCR-Target, /debug/index, /admin need `Authorization: Bearer <it>` ("": loopback only)
     dead_after_s: float  # a runner's event stream silent this long: the worker is down (0: never)
     discovery_dir: str   # info files `kvcr worker --info-file` writes there join (and, removed, leave)
+    dynamo_discovery: str  # Dynamo's etcd (http://HOST:2379): the kvcr workers registered there join and leave
+    dynamo_namespace: str  # the Dynamo namespace they register in
     cost: CostModel
     workers: tuple[WorkerEntry, ...]
 
@@ -65,7 +67,7 @@ def _section(raw: Any, key: str, spec: dict[str, tuple[type, Any]]) -> dict:
 ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (int, 16), "tokenizer": (str, ""),
                "model": (str, "kvcr"), "request_timeout_s": (float, 600.0), "attach_hints": (bool, True),
                "post_hints": (bool, True), "operator_token": (str, ""), "dead_after_s": (float, 5.0),
-               "discovery_dir": (str, "")}
+               "discovery_dir": (str, ""), "dynamo_discovery": (str, ""), "dynamo_namespace": (str, "kvcr")}
 WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
                "engine": (str, "kvcr-worker"), "runner_token": (str, "")}
 COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
@@ -95,8 +97,11 @@ def parse_router_config(raw: dict) -> RouterConfig:
     r = _section(raw.get("router", {}), "router", ROUTER_KEYS)
     cost = CostModel(**_section(raw.get("cost", {}), "cost", COST_KEYS))
     workers = raw.get("workers", [])
-    if not isinstance(workers, list) or not (workers or r["discovery_dir"]):
-        raise RouterConfigError("workers must list at least one worker (or set router.discovery_dir)")
+    if not isinstance(workers, list) or not (workers or r["discovery_dir"] or r["dynamo_discovery"]):
+        raise RouterConfigError("workers must list at least one worker (or set router.discovery_dir or "
+                                "router.dynamo_discovery)")
+    if r["dynamo_discovery"] and not r["dynamo_discovery"].startswith(("http://", "https://")):
+        raise RouterConfigError(f"router.dynamo_discovery = {r['dynamo_discovery']!r} must be etcd's http:// URL")
     entries = tuple(parse_worker(w, f"workers[{i}]") for i, w in enumerate(workers))
     names = [w.name for w in entries]
     if len(set(names)) != len(names):

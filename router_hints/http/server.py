@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from aiohttp import web
@@ -32,6 +32,7 @@ from ..scoring import Load
 from kvcr.text import RequestError, TextTokenizer, request_cache_salt, request_tokens
 from . import front
 from .config import RouterConfig, RouterConfigError, WorkerEntry, load_router_config, parse_worker
+from .dynamo_discovery import entries_from_cards, fetch_cards
 
 log = logging.getLogger(__name__)
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -334,28 +335,52 @@ class Router:
 
     # --- membership: an operator adds and removes workers at run time ----------------------------
 
-    async def watch_directory(self, period_s: float = 1.0) -> None:
-        """router.discovery_dir: a worker whose info file appears there joins; one whose file goes, leaves."""
-        joined: dict[Path, str] = {}
+    async def watch(self, source: Callable[[], dict[str, WorkerEntry]], where: str, period_s: float = 1.0) -> None:
+        """Membership from a discovery source (key -> worker entry, read in a thread): a worker
+        whose key appears joins, one whose key goes leaves. A source that cannot be read keeps
+        what it gave before (its workers' own liveness still applies)."""
+        joined: dict[str, str] = {}
         while True:
-            seen = {}
-            for path in Path(self.cfg.discovery_dir).glob("*.json"):
-                entry = _entry_from_info_file(path)
-                if entry is not None:
-                    seen[path] = entry
-            for path, entry in seen.items():
-                if path not in joined and not any(e.name == entry.name for e in self.entries.values()):
-                    joined[path] = entry.name
-                    asyncio.create_task(self._join(entry))
-            for path in [p for p in joined if p not in seen]:
-                self._leave(joined.pop(path))
+            try:
+                seen = await asyncio.to_thread(source)
+            except DiscoveryError as exc:
+                log.warning("%s not read (membership unchanged): %s", where, exc)
+                seen = None
+            if seen is not None:
+                for key, entry in seen.items():
+                    if key not in joined and not any(e.name == entry.name for e in self.entries.values()):
+                        joined[key] = entry.name
+                        asyncio.create_task(self._join(entry, where))
+                for key in [k for k in joined if k not in seen]:
+                    self._leave(joined.pop(key))
             await asyncio.sleep(period_s)
 
-    async def _join(self, entry: WorkerEntry) -> None:
+    def discovery_sources(self) -> list[tuple[Callable[[], dict[str, WorkerEntry]], str]]:
+        """The sources membership follows, each with what to call it in the log."""
+        sources = []
+        if self.cfg.discovery_dir:
+            sources.append((self.directory_entries, self.cfg.discovery_dir))
+        if self.cfg.dynamo_discovery:
+            sources.append((self.dynamo_entries, f"Dynamo's etcd {self.cfg.dynamo_discovery}"))
+        return sources
+
+    def directory_entries(self) -> dict[str, WorkerEntry]:
+        """router.discovery_dir: the info files `kvcr worker --info-file` wrote there."""
+        found = ((str(p), _entry_from_info_file(p)) for p in Path(self.cfg.discovery_dir).glob("*.json"))
+        return {key: entry for key, entry in found if entry is not None}
+
+    def dynamo_entries(self) -> dict[str, WorkerEntry]:
+        """router.dynamo_discovery: the kvcr workers registered in Dynamo's etcd."""
+        entries, problems = entries_from_cards(fetch_cards(self.cfg.dynamo_discovery, self.cfg.dynamo_namespace))
+        for problem in problems:
+            log.warning("Dynamo's discovery: worker skipped: %s", problem)
+        return entries
+
+    async def _join(self, entry: WorkerEntry, where: str) -> None:
         try:
             await self.discover(entry, timeout_s=30.0)
         except DiscoveryError as exc:
-            log.warning("worker %s from %s not joined: %s", entry.name, self.cfg.discovery_dir, exc)
+            log.warning("worker %s from %s not joined: %s", entry.name, where, exc)
 
     def _leave(self, name: str) -> None:
         gone = [w for w, e in self.entries.items() if e.name == name]
@@ -420,7 +445,7 @@ async def serve(cfg: RouterConfig, info_file: str | None = None) -> None:
     try:
         await asyncio.gather(*(router.discover(e) for e in cfg.workers))
         follower = asyncio.create_task(router.follow_events())
-        watcher = asyncio.create_task(router.watch_directory()) if cfg.discovery_dir else None
+        watchers = [asyncio.create_task(router.watch(source, where)) for source, where in router.discovery_sources()]
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         url = f"http://{cfg.host}:{runner.addresses[0][1]}"
@@ -435,7 +460,7 @@ async def serve(cfg: RouterConfig, info_file: str | None = None) -> None:
             loop.add_signal_handler(sig, done.set)
         await done.wait()
         follower.cancel()
-        if watcher is not None:
+        for watcher in watchers:
             watcher.cancel()
     finally:
         await runner.cleanup()

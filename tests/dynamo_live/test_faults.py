@@ -14,7 +14,7 @@ from kvcr.dynamo.model_dir import write_model_dir
 from kvcr.proto.announce import announce_request
 from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM
 from kvcr.dynamo.local import free_port
-from tests.dynamo_live.conftest import MODEL, TOKENIZER, prompt, wait_for
+from tests.dynamo_live.conftest import MODEL, NAMESPACE, TOKENIZER, prompt, wait_for
 from tests.dynamo_live.conftest import full_blocks as blocks
 from tests.pages import pages_for
 
@@ -64,7 +64,8 @@ def test_a_crashed_or_stopped_worker_leaves_dynamo_and_its_restart_starts_from_w
 
 def test_a_restarted_frontend_recovers_the_index_from_the_workers(dynamo):
     fe = dynamo.frontend()
-    wa, wb = dynamo.worker("wa"), dynamo.worker("wb")
+    dynamo.worker("wa")
+    wb = dynamo.worker("wb")
     p = prompt("recover")
     fe.complete(p)
     holder = wa if wa.stats()["stats"]["requests"] == 1 else wb
@@ -168,3 +169,31 @@ def test_dram_and_nvme_churn_never_double_counts_a_block_in_dynamo(dynamo, tmp_p
     applied = fe.metric_sums("dynamo_component_kv_cache_events_applied")
     assert all(v == 0 for k, v in applied.items() if "status=ok" not in k), applied
     assert sum(v for k, v in applied.items() if "status=ok" in k and "event_type=removed" in k) > 0, applied
+
+
+@pytest.mark.parametrize("discovery", ["etcd"], indirect=True)
+def test_a_kvcr_router_follows_the_workers_registered_in_dynamos_etcd(dynamo, dyn_env, tmp_path):
+    """`router.dynamo_discovery`: our router, next to Dynamo, takes its workers from Dynamo's
+    discovery (the bridges' model cards in etcd): both join, requests route, and a worker whose
+    bridge deregisters leaves."""
+    from kvcr.demo.procs import Child
+    from tests.cluster import http
+    from tests.conftest import ROOT
+
+    dynamo.worker("wa")
+    wb = dynamo.worker("wb")
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"port": 0, "dynamo_discovery": dyn_env["ETCD_ENDPOINTS"],
+                                          "dynamo_namespace": NAMESPACE}}))
+    front = Child(tmp_path, "router", ["router", "--config", str(cfg)], cwd=ROOT).start()
+    try:
+        front.wait_ready()
+        names = lambda: {w["name"]: w["alive"] for w in json.loads(http(front.url + "/workers")[2])}
+        wait_for(lambda: names() == {"wa": True, "wb": True}, 30, "both workers joined from etcd")
+        status, headers, _ = http(front.url + "/generate", {"text": "routed from Dynamo's discovery " * 8,
+                                                            "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and headers["X-KVCR-Worker"] in ("wa", "wb")
+        wb.stop(signal.SIGTERM, 20)  # its bridge deregisters: the card leaves etcd
+        wait_for(lambda: names() == {"wa": True}, 30, "wb left with its card")
+    finally:
+        front.stop()
