@@ -63,10 +63,22 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from .keys import init
+    from .keys import KeysError, add_client, init
 
-    made = init(args.directory)
-    print(f"kvcr keys: {args.directory}: " + (f"wrote {', '.join(made)}" if made else "every key is there already"))
+    if args.action == "init":
+        made = init(args.directory)
+        print(f"kvcr keys: {args.directory}: " + (f"wrote {', '.join(made)}" if made else "every key is there already"))
+        return 0
+    if not args.name or not args.out:
+        print("kvcr keys client: give DIRECTORY NAME OUT (the client's name and its new key directory)", file=sys.stderr)
+        return 2
+    try:
+        admitted = add_client(args.directory, args.name, args.out)
+    except KeysError as exc:
+        print(f"kvcr keys client: {exc}", file=sys.stderr)
+        return 1
+    print(f"kvcr keys: {args.out}: {args.name}'s keypair; admitted by runners through {admitted} "
+          "(remove that file to revoke)")
     return 0
 
 
@@ -148,10 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("keys", help="create a deployment's key directory (CURVE keypair, HTTP token) if missing")
-    p.add_argument("action", choices=["init"])
+    p = sub.add_parser("keys", help="init: create a deployment's key directory (CURVE keypair, HTTP token) if "
+                       "missing; client: a keypair of a client's own, admitted by the deployment's runners")
+    p.add_argument("action", choices=["init", "client"])
     p.add_argument("directory", help="e.g. /etc/kvcr/keys; give it to runners as runner.keys_dir, to the "
                                      "router and the CLI as KVCR_KEYS_DIR")
+    p.add_argument("name", nargs="?", help="client: its name (DIRECTORY/clients/NAME.public admits it)")
+    p.add_argument("out", nargs="?", help="client: its new key directory (give it to the client as KVCR_KEYS_DIR)")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("events", help="event stream tools")

@@ -207,6 +207,12 @@ class CurveKeys:
     public: bytes
     secret: bytes
     allowed: frozenset[bytes]
+    server: bytes = b""     # a client with its own keypair: the deployment key it talks to (b"": ours)
+    keys_dir: str = ""      # a runner: also admit the client keys under keys_dir/clients (re-read as they change)
+
+    @property
+    def server_key(self) -> bytes:
+        return self.server or self.public
 
     @classmethod
     def from_env(cls) -> "CurveKeys | None":
@@ -220,12 +226,14 @@ class CurveKeys:
                 keys = load(os.environ[ENV_KEYS_DIR])
             except KeysError as exc:
                 raise ConfigError(f"{ENV_KEYS_DIR}: {exc}") from None
-            public, secret = keys.curve_public, keys.curve_secret
+            public, secret, server = keys.curve_public, keys.curve_secret, keys.server_public
+        else:
+            server = ""
         if not public and not secret:
             return None
         for name, value in ((ENV_PUBLIC, public), (ENV_SECRET, secret)):
             _require(len(value) == 40, f"{name} must be a 40-character Z85 CURVE key (set both or neither)")
-        return cls(public.encode(), secret.encode(), frozenset())
+        return cls(public.encode(), secret.encode(), frozenset(), server.encode())
 
 
 ENV_PUBLIC, ENV_SECRET, ENV_KEYS_DIR = "KVCR_CURVE_PUBLIC_KEY", "KVCR_CURVE_SECRET_KEY", "KVCR_KEYS_DIR"
@@ -259,11 +267,15 @@ class Config:
         public, secret = r.curve_public_key, r.curve_secret_key
         if not public and r.keys_dir:
             keys = self._keys_dir()
+            if keys.server_public:
+                raise ConfigError(f"runner.keys_dir {r.keys_dir} is a client's key directory (it holds "
+                                  "server.public): give runners the deployment's (`kvcr keys init`)")
             public, secret = keys.curve_public, keys.curve_secret
         if not public:
             return None
         return CurveKeys(public.encode(), secret.encode(),
-                         frozenset({public.encode(), *(k.encode() for k in r.curve_allowed_clients)}))
+                         frozenset({public.encode(), *(k.encode() for k in r.curve_allowed_clients)}),
+                         keys_dir=r.keys_dir)
 
     def http_token(self) -> str:
         return self.runner.http_token or (self._keys_dir().http_token if self.runner.keys_dir else "")

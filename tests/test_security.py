@@ -233,6 +233,36 @@ def test_the_router_follows_a_runners_curve_events_only_with_the_deployment_keys
         core.close()
 
 
+def test_a_client_with_a_keypair_of_its_own_is_admitted_until_its_key_file_is_removed(runner_factory, tmp_path):
+    import os
+
+    from kvcr import keys
+    from tests.conftest import ROOT
+
+    run = lambda *args, **env: subprocess.run([sys.executable, "-m", "kvcr.cli", *map(str, args)], cwd=ROOT,
+                                              capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    deployment, mine = tmp_path / "keys", tmp_path / "router-keys"
+    assert run("keys", "init", deployment).returncode == 0
+    made = run("keys", "client", deployment, "router", mine)
+    assert made.returncode == 0 and "clients/router.public" in made.stdout
+    again = run("keys", "client", deployment, "router", mine)
+    assert again.returncode == 1 and "is never replaced" in again.stderr
+    own, shared = keys.load(mine), keys.load(deployment)
+    assert own.server_public == shared.curve_public and own.curve_public != shared.curve_public
+    info = runner_factory("a", **{"dram.pools": POOLS, "runner.keys_dir": str(deployment)}).start()
+    keyed = run("info", info["endpoints"]["control"], "--timeout", "5", KVCR_KEYS_DIR=mine)
+    assert keyed.returncode == 0 and json.loads(keyed.stdout)["name"] == "a"
+    client = CurveKeys(own.curve_public.encode(), own.curve_secret.encode(), frozenset(), own.server_public.encode())
+    assert batches_heard(info, client, within_s=10) >= 1  # events too
+    (deployment / "clients" / "router.public").unlink()  # revoked: its next connection is refused
+    time.sleep(1.2)
+    assert run("info", info["endpoints"]["control"], "--timeout", "1", KVCR_KEYS_DIR=mine).returncode == 1
+    path = tmp_path / "runner.json"
+    path.write_text(json.dumps({"runner": {"keys_dir": str(mine)}}))
+    with pytest.raises(ConfigError, match="is a client's key directory"):
+        load_config(path).curve()
+
+
 @pytest.mark.parametrize("front_host, overrides, refused", [
     ("0.0.0.0", {"runner.peers": ["*"]}, True),
     ("10.0.0.2", {"runner.peers": ["*"]}, True),

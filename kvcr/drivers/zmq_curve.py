@@ -8,18 +8,21 @@ starting its own. The deployment key is both the servers' and the clients' (docs
 from __future__ import annotations
 
 import threading
+import time
 
 import zmq
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 from ..config import CurveKeys
+from ..keys import client_keys
 
 
 def secure_client(sock: zmq.Socket, curve: CurveKeys | None) -> None:
-    """Before connect: speak CURVE to a server holding the deployment key (nothing without keys)."""
+    """Before connect: speak CURVE to a server holding the deployment key, as the deployment or as a
+    client with a keypair of its own (nothing without keys)."""
     if curve is not None:
-        sock.curve_serverkey = curve.public
+        sock.curve_serverkey = curve.server_key
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
 
@@ -27,18 +30,29 @@ def secure_client(sock: zmq.Socket, curve: CurveKeys | None) -> None:
 class CurveGate:
     """Encrypts the server sockets it secures and lets in only clients holding an allowed key."""
 
-    def __init__(self, ctx: zmq.Context, curve: CurveKeys) -> None:
+    def __init__(self, ctx: zmq.Context, curve: CurveKeys, reread_s: float = 1.0) -> None:
         self._ctx = ctx
         self.curve = curve
         self.num_unauthenticated = 0
         self._auth: ThreadAuthenticator | None = None
         self._lock = threading.Lock()
+        self._reread_s = reread_s
+        self._clients: frozenset[bytes] = frozenset()
+        self._clients_read = -reread_s
 
     def _callback(self, domain: str, key: bytes) -> bool:
-        ok = (zmq.utils.z85.encode(key) if len(key) == 32 else key) in self.curve.allowed
+        z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key
+        ok = z85 in self.curve.allowed or z85 in self._admitted_clients()
         if not ok:
             self.num_unauthenticated += 1
         return ok
+
+    def _admitted_clients(self) -> frozenset[bytes]:
+        """The keys under keys_dir/clients, read again at most once per `reread_s`: a client added
+        or removed there is admitted or refused from its next connection on."""
+        if self.curve.keys_dir and time.monotonic() - self._clients_read >= self._reread_s:
+            self._clients, self._clients_read = client_keys(self.curve.keys_dir), time.monotonic()
+        return self._clients
 
     def secure(self, sock: zmq.Socket) -> None:
         """Before bind. Starts the authenticator on first use."""
