@@ -64,8 +64,7 @@ def test_a_crashed_or_stopped_worker_leaves_dynamo_and_its_restart_starts_from_w
 
 def test_a_restarted_frontend_recovers_the_index_from_the_workers(dynamo):
     fe = dynamo.frontend()
-    dynamo.worker("wa")
-    wb = dynamo.worker("wb")
+    wa, wb = dynamo.worker("wa"), dynamo.worker("wb")
     p = prompt("recover")
     fe.complete(p)
     holder = wa if wa.stats()["stats"]["requests"] == 1 else wb
