@@ -111,7 +111,10 @@ def hinted_request(req) -> HintedRequest:
     import msgspec
 
     ns = RequestNamespace(req.extra_key, req.cache_salt)
-    tokens = None if ns.plain else array("q", [*req.origin_input_ids, *req.output_ids])
+    tokens = None
+    if not ns.plain:
+        tokens = array("q", req.origin_input_ids)
+        tokens.extend(req.output_ids)
     return HintedRequest(msgspec.to_builtins(req.kv_hints), ns, tokens)
 
 

@@ -42,6 +42,11 @@ class RequestNamespace:
         return self.extra_key is None and self.cache_salt is None
 
 
+def plain_key_events(keys: list[str]) -> list[int]:
+    """Unsalted single-page keys: each is its own event hash (its first 64 bits)."""
+    return [hash_str_to_int64(k) & U64_MASK for k in keys]
+
+
 def request_key_events(tokens: Sequence[int], page_size: int, span: int, ns: RequestNamespace) -> dict[str, int]:
     """Storage key -> the u64 event hash routers know it by (its last engine page's), for every
     whole key of a request's tokens from the root: a namespaced chain is seeded differently for
@@ -65,7 +70,7 @@ class HintedRequest:
         """The event hashes of `keys` as far as they can be told (a key the request does not make,
         or a namespaced one without tokens, ends the list)."""
         if self.ns.plain and span == 1:
-            return [hash_str_to_int64(k) & U64_MASK for k in keys]
+            return plain_key_events(keys)
         if not self.tokens:
             return []
         known = self._events.get((page_size, span))

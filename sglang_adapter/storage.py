@@ -30,7 +30,6 @@ from kvcr.config import load_config
 from kvcr.proto.pull import PeerError
 from kvcr.proto.announce import Announce
 from kvcr.proto.events import EventError
-from kvcr.proto.keys import U64_MASK, hash_str_to_int64
 from kvcr.proto.pool import Page, PoolError
 from kvcr.pulls import PeerPulls
 from kvcr.runner import TIER_ABSENT, Runner
@@ -39,7 +38,7 @@ from kvcr.service import Service
 from . import hooks
 from .config import parse_adapter_config
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
-from .pagemeta import AnnounceChain, restorable
+from .pagemeta import AnnounceChain, plain_key_events, restorable
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 from .pulls import deliver_confirmed, request_hint_source, request_hints
@@ -214,8 +213,7 @@ class KVCRStorage(HiCacheStorage):
             source = request_hint_source(hinted, keys[local:], *dims)
             if source is not None:
                 return source
-        events = (hinted.key_events(keys[local:], *dims) if hinted is not None
-                  else [hash_str_to_int64(k) & U64_MASK for k in keys[local:]])
+        events = hinted.key_events(keys[local:], *dims) if hinted is not None else plain_key_events(keys[local:])
         if self.cfg.use_posted_hints:
             posted = self.pulls.hinted_source(events)
             if posted is not None:
