@@ -28,12 +28,12 @@ $(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
 	touch $@
 
 # SGLang builds its page-hash extension on first use: g++, ninja and the OpenSSL headers. The
-# test hosts' packet loss is made with nftables (tests/netns.py).
+# test hosts' packet loss is made with nftables, their delay and reordering with iptables' NFQUEUE (tests/netns.py).
 system-deps:
 	@command -v g++ >/dev/null && command -v ninja >/dev/null && test -e /usr/include/openssl/sha.h \
-		&& command -v nft >/dev/null || { \
+		&& command -v nft >/dev/null && command -v iptables >/dev/null || { \
 		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
-		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq g++ ninja-build libssl-dev nftables; }
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq g++ ninja-build libssl-dev nftables iptables; }
 
 $(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install '$(TORCH)'

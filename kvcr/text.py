@@ -239,6 +239,14 @@ def request_cache_salt(body: dict) -> str | None:
     return salt
 
 
+def refuse_lora(body: dict) -> None:
+    """An engine without adapters refuses a LoRA request: served by the base weights, its pages
+    would be keyed as the base model's and shared with every base request."""
+    adapter = body.get("lora_path")
+    if adapter not in (None, "", []):
+        raise RequestError(f"lora_path {adapter!r}: this worker serves no LoRA adapters")
+
+
 def request_tokens(body: dict, route: str, tokenizer: TextTokenizer) -> list[int]:
     """The prompt's token ids for an SGLang `/generate` or OpenAI completions/chat body."""
     if route == "chat":

@@ -10,12 +10,15 @@ process reaches every host as an outside client would. Needs root and iproute2.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,11 +44,62 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @dataclass
+class PacketQueue:
+    """tests/nfqueue.py holding the packets one iptables match selects, in one namespace: the
+    kernel's own packet queue, as this kernel has no netem. `--queue-bypass`: should the handler
+    die, packets pass undelayed instead of vanishing."""
+
+    wrap: Callable[[], list[str]]  # the prefix that runs a program in the namespace
+    match: str
+    stats_file: Path
+    number: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def chain(self) -> str:
+        return f"KVCR_DELAY{self.number}"
+
+    def _iptables(self, command: str, check: bool = True) -> None:
+        subprocess.run([*self.wrap(), "sh", "-c", command], capture_output=True, text=True, check=check)
+
+    def hold(self, ms: float, reorder_percent: float = 0, reorder_ms: float = 10) -> None:
+        c = self.chain
+        self._iptables(f"iptables -D INPUT -j {c}; iptables -F {c}; iptables -X {c}", check=False)
+        if self.proc is not None:
+            self.proc.terminate()  # it lets go of what it still holds, then writes its stats
+            self.proc.wait(10)
+            self.proc = None
+        if not (ms or reorder_percent):
+            return
+        self.proc = subprocess.Popen([*self.wrap(), sys.executable, "-m", "tests.nfqueue", "--queue", str(self.number),
+                                      "--delay-ms", str(ms), "--reorder-percent", str(reorder_percent),
+                                      "--reorder-ms", str(reorder_ms), "--stats", str(self.stats_file)],
+                                     cwd=REPO, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "bound":
+            raise RuntimeError(f"packet queue {self.number} could not be bound")
+        self._iptables(f"iptables -N {c} && iptables -A {c} {self.match} -j NFQUEUE --queue-num {self.number} "
+                       f"--queue-bypass && iptables -I INPUT -j {c}")
+
+    def stats(self) -> dict[str, int]:
+        try:
+            return json.loads(self.stats_file.read_text())
+        except FileNotFoundError:
+            return {"queued": 0, "released": 0, "held_back": 0, "overtaken": 0}
+
+
+@dataclass
 class TestHost:
     name: str
     index: int
     state_dir: Path
     holder: subprocess.Popen | None = None
+    inbound: "PacketQueue" = field(init=False)
+    to_gateway: "PacketQueue" = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inbound = PacketQueue(self.wrap, "-i eth0", self.state_dir / f"{self.name}.inbound.json", 0)
+        self.to_gateway = PacketQueue(lambda: [], f"-i {BRIDGE} -s {self.address}",
+                                      self.state_dir / f"{self.name}.to-gateway.json", 10 + self.index)
 
     @property
     def ns(self) -> str:
@@ -107,14 +161,31 @@ class TestHost:
                     f"nft add rule inet kvcr_reset rx 'iifname eth0 tcp dport {port} reject with tcp reset' && "
                     f"nft add rule inet kvcr_reset tx 'oifname eth0 tcp sport {port} reject with tcp reset'")
 
+    def delay(self, ms: float = 0, reorder_percent: float = 0, reorder_ms: float = 10) -> None:
+        """Hold each packet this host receives on eth0 `ms` before the kernel takes it in, and hold
+        `reorder_percent` of them `reorder_ms` longer so later ones overtake them. Delaying what a
+        host receives, not what it sends, keeps TCP's small-queue limit from throttling the sender;
+        delay both ends for a slow link. No arguments lift it: held packets go in at once."""
+        self.inbound.hold(ms, reorder_percent, reorder_ms)
+
+    def delay_to_gateway(self, ms: float = 0, reorder_percent: float = 0, reorder_ms: float = 10) -> None:
+        """The same for what this host sends to the test's own namespace (a router run outside)."""
+        self.to_gateway.hold(ms, reorder_percent, reorder_ms)
+
+    def delayed(self) -> dict[str, int]:
+        """What this host's inbound queue did so far: packets queued, released, held back, overtaken."""
+        return self.inbound.stats()
+
+    def delayed_to_gateway(self) -> dict[str, int]:
+        return self.to_gateway.stats()
+
     def dropped(self) -> int:
         """Packets the loss rules dropped so far (0 without them)."""
         out = self.sh("nft list table inet kvcr_loss", check=False)
         return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
 
     def shape(self, rate: str = "") -> None:
-        """Limit what this host sends to `rate` (tc tbf, e.g. "16mbit"); "" lifts the limit. (This
-        machine's kernel has no sch_netem, so delay and reordering cannot be made here.)"""
+        """Limit what this host sends to `rate` (tc tbf, e.g. "16mbit"); "" lifts the limit."""
         self.sh("tc qdisc del dev eth0 root", check=False)
         if rate:
             self.sh(f"tc qdisc add dev eth0 root tbf rate {rate} burst 64kb latency 2s")
@@ -135,6 +206,9 @@ class TestHost:
                 f"&& ip link set lo up && ip route add default via {GATEWAY}")
 
     def destroy(self) -> None:
+        self.to_gateway.hold(0)  # its rule is in the test's own namespace: it would outlive the host
+        if self.holder is not None:
+            self.inbound.hold(0)
         self.kill_everything()
         _ip("netns", "del", self.ns, check=False)  # its veth end goes with it, and so the bridge's
 

@@ -139,6 +139,7 @@ def test_a_hint_a_client_supplies_is_stripped_before_the_worker_sees_it(cluster)
     ({"sampling_params": {"max_new_tokens": 4}}, "text must be a string"),
     ({"input_ids": [1, -2]}, "input_ids must be a non-empty list of non-negative integers"),
     ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an integer"),
+    ({"text": "hi", "lora_path": "adapter-x"}, "this worker serves no LoRA adapters"),
 ])
 def test_a_bad_request_is_refused_with_the_field_named(cluster, body, problem):
     front, workers = cluster

@@ -1,6 +1,7 @@
 """Peer pulls between test hosts that are really apart (tests/netns.py): UCX over TCP on each
-host's veth, CURVE on every control socket, faults made with `ip link`, `tc` (a rate limit: this
-kernel has no netem) and nftables (packet loss), and a host that loses every process at once."""
+host's veth, CURVE on every control socket, faults made with `ip link`, `tc` (a rate limit),
+nftables (packet loss, connection resets), the kernel's packet queue (delay and reordering: this
+kernel has no netem), and a host that loses every process at once."""
 
 import json
 import os
@@ -166,6 +167,54 @@ def test_a_pull_across_a_lossy_link_delivers_no_wrong_byte_and_recovers(cluster,
     assert wait_until(lambda: pull(cluster, keys) == PAGES, 20, 0.5, "a pull once the loss is lifted")
 
 
+needs_iptables = pytest.mark.skipif(shutil.which("iptables") is None,
+                                    reason="delay and reordering are made with iptables' NFQUEUE: `iptables` is not installed")
+
+
+@needs_iptables
+@pytest.mark.parametrize("reorder", [0, 25])
+def test_a_pull_across_a_slow_reordering_link_delivers_every_page_byte_for_byte(cluster, reorder):
+    """Both ends hold what they receive 30 ms (60 ms added to each round trip); with reordering a
+    quarter of the packets wait 10 ms more, so the ones behind them overtake them. TCP puts them
+    back in order: every page arrives byte for byte, and no claim or quarantined slot is left."""
+    keys = pages_for(PAGES, seed=1, page_bytes=PAGE)[0]
+    h1, h2, h3 = cluster["hosts"]
+    for host in (h1, h2):
+        host.delay(30, reorder)
+    try:
+        got = pull(cluster, keys)
+    finally:
+        for host in (h1, h2):
+            host.delay()
+    seen = [host.delayed() for host in (h1, h2)]
+    assert all(s["queued"] > 0 and s["released"] == s["queued"] for s in seen), seen  # the delay was real
+    assert (sum(s["overtaken"] for s in seen) > 0) == bool(reorder), seen
+    assert got == PAGES
+    check = cluster["on_host"](h3, "pull", cluster["b"]["endpoints"]["control"], PAGES, 1)
+    assert check["delivered"] == PAGES and check["wrong"] == 0
+    assert metric(cluster["b"], 'kvcr_pages{pool="kv",state="quarantined"}') == 0
+    wait_until(lambda: metric(cluster["a"], "kvcr_claims_held") == 0, 10, 0.1, "a's claim released")
+
+
+@needs_iptables
+def test_a_source_that_answers_later_than_the_control_timeout_is_a_miss_and_keeps_no_claim(cluster):
+    """The source's host takes in what it receives 2.5 s late, past b's 2 s control timeout: b
+    counts a miss and keeps nothing, whatever a granted late ends by its lease, and once the delay
+    is lifted b pulls every page (after its back-off)."""
+    keys = pages_for(PAGES, seed=1, page_bytes=PAGE)[0]
+    h1 = cluster["hosts"][0]
+    h1.delay(2500)
+    try:
+        assert pull(cluster, keys) == 0
+        assert metric(cluster["b"], "kvcr_peer_unreachable") >= 1
+    finally:
+        h1.delay()
+    assert h1.delayed()["queued"] > 0
+    assert metric(cluster["b"], 'kvcr_pages{pool="kv",state="quarantined"}') == 0
+    wait_until(lambda: metric(cluster["a"], "kvcr_claims_held") == 0, 2.0 + 5, 0.1, "a's late claim ended")
+    assert wait_until(lambda: pull(cluster, keys) == PAGES, 30, 0.5, "b pulls once the delay is lifted")
+
+
 def test_a_source_host_that_never_comes_back_costs_one_control_timeout(cluster):
     keys = pages_for(PAGES, seed=1, page_bytes=PAGE)[0]
     cluster["hosts"][0].kill_everything()
@@ -257,6 +306,43 @@ def test_a_router_whose_event_connection_is_reset_reconnects_and_repairs_the_gap
         hosts[1].reset_port(5557, False)
     wait_until(lambda: overlap().get("w2", 0) == stored, 10, 0.1, "w2's pages indexed from replay")
     assert router_metric("kvcr_router_event_gaps") > gaps and router_metric("kvcr_router_batches_replayed") >= 1
+    assert router_metric("kvcr_router_snapshots_loaded") == snapshots
+    assert router_metric("kvcr_router_workers_down") == 0
+
+
+@needs_iptables
+def test_a_router_behind_a_slow_reordering_link_indexes_a_workers_pages_and_routes_on_them(routed, hosts):
+    """What w2 sends the router (its events among it) and what w2 receives arrive 100 ms late each
+    way, a quarter of the packets 10 ms later still (overtaken where traffic follows them). The
+    router indexes w2's new pages within 5 s with no gap, no snapshot and w2 never declared down,
+    and a request it sends w2 for w1's pages pulls them across the slow link on its hint."""
+    front, (w1, w2) = routed
+    h2 = hosts[1]
+    router_metric = lambda name: next(float(line.split()[-1]) for line in http(front.url + "/metrics")[2].decode()
+                                      .splitlines() if line.startswith(name + " "))
+    overlap = lambda text: {r["worker"]: r["overlap"]["host"] for r in
+                            json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
+    wait_until(lambda: router_metric("kvcr_router_event_batches") > 0, 10, 0.1, "the router hearing both")
+    gaps, snapshots = router_metric("kvcr_router_event_gaps"), router_metric("kvcr_router_snapshots_loaded")
+    mine = "Pages w2 stores while every packet between it and the router is late. " * 4
+    theirs = "Pages w1 computes, and w2 pulls across a late, reordering link. " * 5
+    _, cold = generate(w1.url, theirs)
+    h2.delay(100, 25)
+    h2.delay_to_gateway(100, 25)
+    try:
+        stored = generate(w2.url, mine)[1]["meta_info"]["kvcr"]["stored_pages"]
+        wait_until(lambda: overlap(mine).get("w2", 0) == stored > 0, 5, 0.1, "w2's pages indexed")
+        name, out = generate(front.url, theirs, headers={"X-KVCR-Target": "w2"})
+    finally:
+        h2.delay_to_gateway()
+        h2.delay()
+    # Both queues held packets back; whether later ones overtook them depends on the traffic's timing.
+    assert all(s["queued"] > 0 and s["held_back"] > 0 for s in (h2.delayed(), h2.delayed_to_gateway()))
+    kv = out["meta_info"]["kvcr"]  # a prompt of whole pages recomputes its last one for its logits
+    assert name == "w2" and kv["peer_pages"] > 0 and kv["peer_pages"] + kv["stored_pages"] == \
+        cold["meta_info"]["kvcr"]["stored_pages"]
+    assert out["output_ids"] == cold["output_ids"]
+    assert router_metric("kvcr_router_event_gaps") == gaps
     assert router_metric("kvcr_router_snapshots_loaded") == snapshots
     assert router_metric("kvcr_router_workers_down") == 0
 

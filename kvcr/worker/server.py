@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 
-from ..text import RequestError, TextTokenizer, request_cache_salt, request_tokens
+from ..text import RequestError, TextTokenizer, refuse_lora, request_cache_salt, request_tokens
 
 from ..metrics import RunnerCollector
 from ..proto.hints import FetchHint, HintError, extract_request_hint, parse_envelope
@@ -57,6 +57,7 @@ def _int_field(body: dict, key: str, default: int, lo: int, hi: int) -> int:
 def parse_job(body: Any, route: str, tokenizer: TextTokenizer, max_positions: int) -> Job:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    refuse_lora(body)
     tokens = request_tokens(body, route, tokenizer)
     if route == "generate":
         sampling = body.get("sampling_params") or {}
