@@ -167,8 +167,15 @@ def test_a_pull_across_a_lossy_link_delivers_no_wrong_byte_and_recovers(cluster,
     assert wait_until(lambda: pull(cluster, keys) == PAGES, 20, 0.5, "a pull once the loss is lifted")
 
 
-needs_iptables = pytest.mark.skipif(shutil.which("iptables") is None,
-                                    reason="delay and reordering are made with iptables' NFQUEUE: `iptables` is not installed")
+def _no_packet_queue() -> str:
+    if shutil.which("iptables") is None:
+        return "delay and reordering are made with iptables' NFQUEUE: `iptables` is not installed"
+    if not os.path.exists("/proc/net/netfilter/nfnetlink_queue"):
+        return "delay and reordering need the kernel's NFQUEUE (nfnetlink_queue), which this kernel lacks"
+    return ""
+
+
+needs_iptables = pytest.mark.skipif(bool(_no_packet_queue()), reason=_no_packet_queue() or "available")
 
 
 @needs_iptables
