@@ -112,6 +112,13 @@ def test_a_malformed_dynamo_request_is_refused_by_name(request_, problem):
         generate_body(request_, default_max_tokens=16)
 
 
+def test_a_request_for_another_model_such_as_a_lora_is_refused():
+    """Dynamo names a LoRA in `model`; the bridge registered the base model only."""
+    assert generate_body(dynamo_request(model="tiny-llama"), default_max_tokens=16, model="tiny-llama")
+    with pytest.raises(BridgeRequestError, match="this bridge serves only 'tiny-llama'"):
+        generate_body(dynamo_request(model="tiny-llama-lora-x"), default_max_tokens=16, model="tiny-llama")
+
+
 def sse(chunk: dict) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n"
 

@@ -104,8 +104,9 @@ def fetch_runner_info(backend: str, runner: str | None) -> dict:
 class Forwarder:
     """Dynamo's `generate` handler: one streamed `/generate` on the engine per request."""
 
-    def __init__(self, backend: str, *, default_max_tokens: int, oracle: bool) -> None:
+    def __init__(self, backend: str, *, default_max_tokens: int, oracle: bool, model: str) -> None:
         self.url = backend.rstrip("/") + "/generate"
+        self.model = model
         self.default_max_tokens = default_max_tokens
         self.oracle = oracle
         self.session: aiohttp.ClientSession | None = None
@@ -118,7 +119,7 @@ class Forwarder:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300),
                                                  read_bufsize=2**22)
         body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle,
-                             rid=context.id() if context is not None else None)
+                             rid=context.id() if context is not None else None, model=self.model)
         self.num_requests += 1
         if "kv_hints" in body:
             self.num_hints += 1
@@ -234,7 +235,8 @@ async def serve(args: argparse.Namespace) -> int:
     feed = FeedRelay(events=runner.events, replay=runner.replay, control=runner.control,
                      dp_rank=runner.dp_rank, dead_after_s=dead_after(runner, args.dead_after),
                      curve=feed_keys(runner)).start()
-    forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle)
+    forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle,
+                          model=args.model_name)
     rt = publisher = serving = None
     try:
         discovery, request_plane, event_plane = dynamo_planes()

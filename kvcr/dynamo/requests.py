@@ -42,12 +42,19 @@ def _section(request: dict, key: str) -> dict:
     return value
 
 
-def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False, rid: str | None = None) -> dict:
+def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False, rid: str | None = None,
+                  model: str | None = None) -> dict:
     """The engine's `/generate` body for one Dynamo request (streamed, greedy unless asked); `rid`
     is Dynamo's request id, which its response carries (`cmpl-<rid>`), so a client can find what
-    serving it took (a kvcr worker's /kvcr/served/<rid>)."""
+    serving it took (a kvcr worker's /kvcr/served/<rid>). `model`: the one model card the bridge
+    registered; Dynamo names a LoRA in `model`, and served by the base weights its pages would be
+    the base model's, so a request for any other model is refused."""
     if not isinstance(request, dict):
         raise BridgeRequestError("a Dynamo request must be an object")
+    asked = request.get("model")
+    if model is not None and asked not in (None, model):
+        raise BridgeRequestError(f"model {asked!r}: this bridge serves only {model!r} (a LoRA is a model of "
+                                 "its own in Dynamo, and this engine registered none)")
     tokens = request.get("token_ids")
     if not isinstance(tokens, list) or not tokens or not all(type(t) is int and t >= 0 for t in tokens):
         raise BridgeRequestError("token_ids must be a non-empty list of token ids")
