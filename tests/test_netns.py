@@ -289,6 +289,28 @@ def test_a_router_cut_from_a_workers_stream_stops_routing_there_and_resyncs_when
     assert down_after < 2.0 + 5
 
 
+def test_the_operator_takes_out_and_puts_back_a_worker_on_another_host_at_run_time(routed, hosts):
+    """`DELETE /admin/workers/w2` stops routing to w2 and drops its blocks from the index; `POST
+    /admin/workers` brings it back, its runner found across the bridge (CURVE) and its blocks
+    reloaded from its snapshot."""
+    front, (w1, w2) = routed
+    text = "Pages w2 holds on h2 while the operator takes it out of the routing and back. " * 4
+    overlap = lambda: {r["worker"]: r["overlap"]["host"] for r in
+                       json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
+    routed_to = lambda: {w["name"] for w in json.loads(http(front.url + "/workers")[2])}
+    assert generate(front.url, text, headers={"X-KVCR-Target": "w2"})[0] == "w2"
+    wait_until(lambda: overlap().get("w2", 0) > 0, 10, 0.1, "w2's pages indexed")
+    assert http(front.url + "/admin/workers/w2", method="DELETE")[0] == 200
+    assert routed_to() == {"w1"} and "w2" not in overlap()
+    status, _, body = http(front.url + "/generate", {"text": text}, headers={"X-KVCR-Target": "w2"})
+    assert status == 400 and "X-KVCR-Target names no worker" in json.loads(body)["error"]["message"]
+    assert generate(front.url, text)[0] == "w1"
+    assert http(front.url + "/admin/workers", {"name": "w2", "url": w2.url})[0] == 200
+    assert routed_to() == {"w1", "w2"}
+    wait_until(lambda: overlap().get("w2", 0) > 0, 10, 0.1, "w2's pages reloaded from its snapshot")
+    assert generate(front.url, text, headers={"X-KVCR-Target": "w2"})[0] == "w2"
+
+
 @pytest.mark.skipif(shutil.which("nft") is None, reason="connection resets are made with nftables: `nft` is not installed")
 def test_a_router_whose_event_connection_is_reset_reconnects_and_repairs_the_gap_by_replay(routed, hosts):
     """w2's event connection is reset (both ends) for a second, shorter than `dead_after_s`, while
