@@ -19,7 +19,7 @@ SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors=
 SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-client jsonschema xgrammar==0.2.9 \
 	soundfile
 
-.PHONY: demo test setup sglang-setup dynamo-setup system-deps dynamo-system-deps bench fuzz clean
+.PHONY: demo test setup sglang-setup dynamo-setup system-deps dynamo-system-deps bench bench-deps fuzz clean
 
 # torch is named in the same install so pip keeps the CPU build instead of resolving another one.
 $(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
@@ -78,11 +78,18 @@ test: setup sglang-setup dynamo-setup
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python \
 		$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-bench: sglang-setup dynamo-setup
+# Mooncake's non-CUDA wheel links libibverbs at import (no RDMA device is needed).
+bench-deps:
+	@test -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 || { \
+		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq libibverbs1; }
+
+bench: sglang-setup dynamo-setup | bench-deps
 	$(VENV)/bin/python bench/dram_pool.py
 	$(VENV)/bin/python bench/nvme.py
 	$(VENV)/bin/python bench/peer_pull.py
 	$(VENV)/bin/python bench/vs_nvidia_kvcr.py
+	$(VENV)/bin/python bench/vs_mooncake.py
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/router_index.py
 	$(VENV)/bin/python bench/router_overhead.py
 	$(VENV)/bin/python bench/nvme_persist.py
@@ -101,4 +108,4 @@ fuzz: setup
 	$(VENV)/bin/python -m tests.fuzz.campaign --seconds $(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref build *.egg-info
+	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref .venv-mooncake build *.egg-info

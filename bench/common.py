@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,3 +87,17 @@ def disk_bench_args(doc: str, *, repeats: int, quick_help: str):
     parser.add_argument("--dir", default=None, help="directory on the device to measure (default: a temp dir)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     return parser.parse_args()
+
+
+def managed_venv(path: Path, installs: list[list[str]], label: str) -> str:
+    """An anchor system's own environment, made once: `installs` are pip argument lists, run in
+    order. Returns its python."""
+    python = path / "bin" / "python"
+    if not (path / ".installed").exists():
+        print(f"  installing {label} into {path.name} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        for args in installs:
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+                           check=True)
+        (path / ".installed").touch()
+    return str(python)

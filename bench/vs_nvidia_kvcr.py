@@ -23,22 +23,15 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.common import managed_venv  # noqa: E402
+from bench.kvcr_side import measure, run_ours  # noqa: E402
 REF_VENV = ROOT / ".venv-kvcr-ref"
-ROTATION = 4  # destination copies used in turn by both systems, as bench/kvcr_ref_driver.py
 REF_PACKAGES = [["--no-deps", "kvcr==0.1.1", "nixl==1.5.0", "nixl-cu12==1.5.0"],
                 ["msgspec>=0.21,<1", "pyzmq>=25,<28", "numpy"]]
 
 
 def reference_python() -> str:
-    python = REF_VENV / "bin" / "python"
-    if not (REF_VENV / ".installed").exists():
-        print("  installing NVIDIA kvcr 0.1.1 into .venv-kvcr-ref ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(REF_VENV)], check=True)
-        for args in REF_PACKAGES:
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-                           check=True)
-        (REF_VENV / ".installed").touch()
-    return str(python)
+    return managed_venv(REF_VENV, REF_PACKAGES, "NVIDIA kvcr 0.1.1")
 
 
 def run_reference(python: str, pages: int, page_bytes: int, iterations: int, processes: int = 2,
@@ -52,67 +45,6 @@ def run_reference(python: str, pages: int, page_bytes: int, iterations: int, pro
         raise RuntimeError(out.stderr[-3000:])
     line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]  # NIXL logs to stdout too
     return statistics.median(json.loads(line)["seconds"])
-
-
-def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get", tls: str = "sm,tcp") -> float:
-    code = f"""
-import json, statistics, sys
-sys.path.insert(0, {str(ROOT)!r})
-from bench.peer_pull import start_source
-from pathlib import Path
-from typing import Callable
-import ctypes, os, tempfile, time
-from kvcr.client import AttachedWriter, ControlClient
-from kvcr.drivers.ucx_plane import UcxPlane
-from kvcr.drivers.puller import Puller
-from kvcr.proto.keys import request_page_hashes
-pages, page_bytes, iterations, ROTATION = {pages}, {page_bytes}, {iterations}, {ROTATION}
-with tempfile.TemporaryDirectory() as tmp:
-    proc, info = start_source(Path(tmp), page_bytes, pages, dict(os.environ))
-    try:
-        control = info["endpoints"]["control"]
-        keys = request_page_hashes(list(range(pages * 16)), 16)
-        payload = [bytes([i % 251]) * page_bytes for i in range(pages)]
-        with ControlClient(control) as client:
-            while not client.info()["ucx"]["rkeys"]:
-                time.sleep(0.05)
-            w = AttachedWriter(client); w.put("kv", keys, payload); w.close()
-        plane = UcxPlane(progress_thread=False)
-        puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r})
-        total = pages * page_bytes
-        dest = ctypes.create_string_buffer(ROTATION * total)  # zeroed
-        expected = ctypes.create_string_buffer(b"".join(payload), total)
-        libc = ctypes.CDLL(None)
-        libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        times = []
-        for it in range(iterations + 1):
-            base = ctypes.addressof(dest) + it % ROTATION * total  # not written just before (as theirs)
-            t0 = time.perf_counter()
-            assert puller.pull(control, "kv", keys, [base + i * page_bytes for i in range(pages)]).delivered == pages
-            times.append(time.perf_counter() - t0)
-            assert libc.memcmp(base, expected, total) == 0
-            ctypes.memset(base, 0, total)  # checking and zeroing allocate nothing (as theirs)
-        puller.close(); plane.close()
-        print(json.dumps({{"seconds": times[1:]}}))
-    finally:
-        proc.terminate(); proc.wait(15)
-"""
-    env = {**os.environ, "UCX_TLS": tls, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-3000:])
-    return statistics.median(json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])["seconds"])
-
-
-def measure(repeats: int, pages: int, page_bytes: int, systems: dict) -> dict[str, list[float]]:
-    """Each repeat runs every system once, in turn; returns seconds per system."""
-    runs: dict[str, list[float]] = {name: [] for name in systems}
-    for i in range(repeats):
-        for name, run in systems.items():
-            runs[name].append(run(pages, page_bytes))
-        print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}/{repeats}", end="", flush=True)
-    print()
-    return runs
 
 
 def main() -> int:

@@ -1,0 +1,79 @@
+"""kvcr's side of the same-run comparisons (bench/vs_nvidia_kvcr.py, bench/vs_mooncake.py).
+
+`run_ours`: a source runner process and a pulling process; each run is the median of
+`iterations` pulls after a warm-up into one of 4 destination copies used in turn (as the anchors'
+drivers do), every byte checked. `measure`: each repeat runs every system once, in turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROTATION = 4  # destination copies used in turn by every system
+
+
+def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get", tls: str = "sm,tcp") -> float:
+    code = f"""
+import json, statistics, sys
+sys.path.insert(0, {str(ROOT)!r})
+from bench.peer_pull import start_source
+from pathlib import Path
+from typing import Callable
+import ctypes, os, tempfile, time
+from kvcr.client import AttachedWriter, ControlClient
+from kvcr.drivers.ucx_plane import UcxPlane
+from kvcr.drivers.puller import Puller
+from kvcr.proto.keys import request_page_hashes
+pages, page_bytes, iterations, ROTATION = {pages}, {page_bytes}, {iterations}, {ROTATION}
+with tempfile.TemporaryDirectory() as tmp:
+    proc, info = start_source(Path(tmp), page_bytes, pages, dict(os.environ))
+    try:
+        control = info["endpoints"]["control"]
+        keys = request_page_hashes(list(range(pages * 16)), 16)
+        payload = [bytes([i % 251]) * page_bytes for i in range(pages)]
+        with ControlClient(control) as client:
+            while not client.info()["ucx"]["rkeys"]:
+                time.sleep(0.05)
+            w = AttachedWriter(client); w.put("kv", keys, payload); w.close()
+        plane = UcxPlane(progress_thread=False)
+        puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r})
+        total = pages * page_bytes
+        dest = ctypes.create_string_buffer(ROTATION * total)  # zeroed
+        expected = ctypes.create_string_buffer(b"".join(payload), total)
+        libc = ctypes.CDLL(None)
+        libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        times = []
+        for it in range(iterations + 1):
+            base = ctypes.addressof(dest) + it % ROTATION * total  # not written just before (as theirs)
+            t0 = time.perf_counter()
+            assert puller.pull(control, "kv", keys, [base + i * page_bytes for i in range(pages)]).delivered == pages
+            times.append(time.perf_counter() - t0)
+            assert libc.memcmp(base, expected, total) == 0
+            ctypes.memset(base, 0, total)  # checking and zeroing allocate nothing (as theirs)
+        puller.close(); plane.close()
+        print(json.dumps({{"seconds": times[1:]}}))
+    finally:
+        proc.terminate(); proc.wait(15)
+"""
+    env = {**os.environ, "UCX_TLS": tls, "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return statistics.median(json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])["seconds"])
+
+
+def measure(repeats: int, pages: int, page_bytes: int, systems: dict) -> dict[str, list[float]]:
+    """Each repeat runs every system once, in turn; returns seconds per system."""
+    runs: dict[str, list[float]] = {name: [] for name in systems}
+    for i in range(repeats):
+        for name, run in systems.items():
+            runs[name].append(run(pages, page_bytes))
+        print(f"\r  {pages} x {page_bytes >> 10} KiB: repeat {i + 1}/{repeats}", end="", flush=True)
+    print()
+    return runs
