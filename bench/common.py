@@ -70,12 +70,46 @@ def table(columns: list[str], rows: list[str]) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows]
 
 
-def publish(name: str, title: str, intro: str, tables: list[list[str]], *, write: bool) -> None:
-    """Print where the results went and write the section `name` of docs/benchmarks.md."""
-    body = "\n".join([f"## {title}", "", intro, *(line for t in tables for line in ["", *t])])
+def publish(name: str, title: str, intro: str, tables: list[list[str]], *, write: bool,
+            chart: dict[str, dict[str, list[float]]] | None = None, unit: str = "GB/s") -> None:
+    """Print where the results went and write the section `name` of docs/benchmarks.md; with
+    `chart` (group -> system -> values over repeats), also docs/img/bench-NAME.png, linked there."""
+    picture = [""] if chart is None else ["", f"![{title}](img/bench-{name}.png)"]
+    body = "\n".join([f"## {title}", "", intro, *(line for t in tables for line in ["", *t]), *picture])
     if write:
         write_section(name, body)
+        if chart is not None:
+            bar_chart(DOC.parent / "img" / f"bench-{name}.png", title, chart, unit)
         print("wrote docs/benchmarks.md")
+
+
+def bar_chart(path: Path, title: str, groups: dict[str, dict[str, list[float]]], unit: str) -> None:
+    """Grouped bars: the median per system in each group, whiskers from min to max."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(s for g in groups.values() for s in g))
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, system in enumerate(systems):
+        xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
+        values = [groups[name].get(system, [0.0]) for name in groups]
+        medians = [statistics.median(v) for v in values]
+        errors = [[m - min(v) for m, v in zip(medians, values)], [max(v) - m for m, v in zip(medians, values)]]
+        ax.bar(xs, medians, width=width, yerr=errors, capsize=3, label=system)
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def disk_bench_args(doc: str, *, repeats: int, quick_help: str):

@@ -56,7 +56,7 @@ def main() -> int:
     def ratio(runs: dict[str, list[float]], theirs: str) -> str:
         return f"{Spread.of([t / o for o, t in zip(runs['kvcr'], runs[theirs])]).fmt(1, 2)}x"
 
-    rows = []
+    rows, chart = [], {}
     for pages, page_bytes in SIZES:
         runs: dict[str, list[float]] = measure(args.repeats, pages, page_bytes, {
             "te": lambda p, b: run_mooncake(python, "te", p, b),
@@ -66,6 +66,9 @@ def main() -> int:
         rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell(runs, 'te', total)} | {cell(runs, 'store', total)} | "
                     f"{cell(runs, 'kvcr', total)} | {ratio(runs, 'te')} | {ratio(runs, 'store')} |")
         print(rows[-1])
+        chart[f"{pages} × {page_bytes >> 10} KiB"] = {
+            label: [total / t / 1e9 for t in runs[key]]
+            for key, label in (("te", "Mooncake TE"), ("store", "Mooncake Store"), ("kvcr", "kvcr UCX GET"))}
     intro = (f"`python bench/vs_mooncake.py --repeats {args.repeats}` on {machine_line()}. Mooncake 0.3.13.post1 "
              "(non-CUDA wheel) over TCP on loopback: the Transfer Engine's `batch_transfer_sync_read` from a source "
              "process (peer-to-peer handshake), and Mooncake Store's `batch_get_into` by a client without a segment "
@@ -75,7 +78,7 @@ def main() -> int:
              "(their time / ours, per repeat).")
     publish("vs_mooncake", "Against Mooncake (Transfer Engine and Store), over TCP", intro,
             [table(["transfer", "Mooncake TE read", "Mooncake Store get", "kvcr UCX GET", "TE / kvcr",
-                    "Store / kvcr"], rows)], write=not args.no_write)
+                    "Store / kvcr"], rows)], write=not args.no_write, chart=chart)
     return 0
 
 

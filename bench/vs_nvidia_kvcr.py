@@ -65,7 +65,13 @@ def main() -> int:
     def ratio(runs: dict[str, list[float]], ours: str, theirs: str) -> str:
         return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[theirs])]).fmt(1, 1)}x"
 
-    shm_rows, tcp_rows = [], []
+    shm_rows, tcp_rows, chart = [], [], {}
+    labels = {"nv2": "NVIDIA, 2 processes", "nv1": "NVIDIA, 1 process", "get": "kvcr UCX GET",
+              "shm": "kvcr same-host copy"}
+
+    def plot(group: str, runs: dict[str, list[float]], total: int) -> None:
+        chart[group] = {labels[k]: [total / t / 1e9 for t in v] for k, v in runs.items()}
+
     for pages, page_bytes in ((32, 1 << 20), (16, 64 << 10)):
         runs = measure(repeats, pages, page_bytes, {
             "nv2": lambda p, b: run_reference(python, p, b, 10, processes=2),
@@ -77,6 +83,7 @@ def main() -> int:
                         f"{cell('shm')} | {ratio(runs, 'shm', 'nv2')} | {ratio(runs, 'shm', 'nv1')} | "
                         f"{ratio(runs, 'get', 'nv2')} |")
         print(shm_rows[-1])
+        plot(f"shared memory, {pages} × {page_bytes >> 10} KiB", runs, pages * page_bytes)
     for pages, page_bytes in ((32, 1 << 20),):
         runs = measure(repeats, pages, page_bytes, {
             "nv2": lambda p, b: run_reference(python, p, b, 10, processes=2, tls="tcp"),
@@ -85,6 +92,7 @@ def main() -> int:
         tcp_rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell('nv2')} | {cell('get')} | "
                         f"{ratio(runs, 'get', 'nv2')} |")
         print(tcp_rows[-1])
+        plot(f"TCP, {pages} × {page_bytes >> 10} KiB", runs, pages * page_bytes)
     copier = Copier()
     intro = (f"`python bench/vs_nvidia_kvcr.py --repeats {repeats}` on {machine_line()}. NVIDIA kvcr 0.1.1 with "
              "NIXL 1.5.0 over UCX (its defaults), hinted remote `deliver` (hint + deliver + completion): its source "
@@ -103,7 +111,7 @@ def main() -> int:
                     "same-host / NVIDIA 2p", "same-host / NVIDIA 1p", "UCX GET / NVIDIA 2p"], shm_rows),
              ["TCP (`UCX_TLS=tcp` for both, loopback):"],
              table(["transfer", "NVIDIA, 2 processes", "kvcr UCX GET", "kvcr / NVIDIA"], tcp_rows)],
-            write=not args.no_write)
+            write=not args.no_write, chart=chart)
     return 0
 
 
