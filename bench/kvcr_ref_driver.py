@@ -11,6 +11,7 @@ Prints one JSON line: per-iteration seconds (hint + deliver + completion), bytes
 import ctypes
 import json
 import mmap
+import os
 import socket
 import subprocess
 import sys
@@ -175,6 +176,8 @@ def main():
         child.stdin.close()
         child.wait(30)
     print(json.dumps({"seconds": times[1:]}))
+    sys.stdout.flush()
+    os._exit(0)  # NIXL's threads can crash an orderly interpreter exit after the work is done
 
 
 if __name__ == "__main__":
