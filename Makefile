@@ -99,6 +99,7 @@ bench: sglang-setup dynamo-setup | bench-deps
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live.py
 	$(PIP) install py-spy
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live_profile.py
+	$(VENV)/bin/python bench/pull_breakdown.py --py-spy
 
 # Coverage-guided campaigns over every decoder of outside input (tests/fuzz/); their corpora are
 # replayed by the suite. FUZZ_SECONDS per target.
