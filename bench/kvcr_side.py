@@ -2,7 +2,8 @@
 
 `run_ours`: a source runner process and a pulling process; each run is the median of
 `iterations` pulls after a warm-up into one of 4 destination copies used in turn (as the anchors'
-drivers do), every byte checked. `measure`: each repeat runs every system once, in turn.
+drivers do), every byte checked. `run_memcpy`: plain memcpy of the same bytes, the same way.
+`measure`: each repeat runs every system once, in turn.
 """
 
 from __future__ import annotations
@@ -66,6 +67,44 @@ with tempfile.TemporaryDirectory() as tmp:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return statistics.median(json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])["seconds"])
+
+
+def run_memcpy(pages: int, page_bytes: int, iterations: int, threads: int = 1) -> float:
+    """The same bytes copied with plain memcpy (glibc's, through ctypes, which lets go of the GIL)
+    from a pre-faulted shared-memory file, as a source runner's pool is, into the same rotation of
+    destinations, checked and zeroed as in run_ours: the physical limit of a same-host pull. With
+    `threads`, the bytes are split evenly over that many threads."""
+    code = f"""
+import ctypes, json, mmap, os, tempfile, time
+from concurrent.futures import ThreadPoolExecutor
+pages, page_bytes, iterations, ROTATION, threads = {pages}, {page_bytes}, {iterations}, {ROTATION}, {threads}
+total = pages * page_bytes
+fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvcr-bench-memcpy-")
+os.ftruncate(fd, total)
+src = mmap.mmap(fd, total)
+os.unlink(path); os.close(fd)
+src[:] = b"".join(bytes([i % 251]) * page_bytes for i in range(pages))
+src_addr = ctypes.addressof(ctypes.c_char.from_buffer(src))
+dest = ctypes.create_string_buffer(ROTATION * total)
+libc = ctypes.CDLL(None)
+libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+share = total // threads
+pool = ThreadPoolExecutor(threads)
+times = []
+for it in range(iterations + 1):
+    base = ctypes.addressof(dest) + it % ROTATION * total
+    t0 = time.perf_counter()
+    list(pool.map(lambda k: ctypes.memmove(base + k * share, src_addr + k * share,
+                                           share if k < threads - 1 else total - k * share), range(threads)))
+    times.append(time.perf_counter() - t0)
+    assert libc.memcmp(base, src_addr, total) == 0
+    ctypes.memset(base, 0, total)
+print(json.dumps({{"seconds": times[1:]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
 
 
 def measure(repeats: int, pages: int, page_bytes: int, systems: dict) -> dict[str, list[float]]:

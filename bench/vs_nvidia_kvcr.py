@@ -24,7 +24,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.common import managed_venv  # noqa: E402
-from bench.kvcr_side import measure, run_ours  # noqa: E402
+from bench.kvcr_side import measure, run_memcpy, run_ours  # noqa: E402
 REF_VENV = ROOT / ".venv-kvcr-ref"
 REF_PACKAGES = [["--no-deps", "kvcr==0.1.1", "nixl==1.5.0", "nixl-cu12==1.5.0"],
                 ["msgspec>=0.21,<1", "pyzmq>=25,<28", "numpy"]]
@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     from bench.common import Spread, machine_line, publish, table
-    from kvcr.drivers.memcopy import Copier
+    from kvcr.drivers.memcopy import Copier, default_threads
 
     python = reference_python()
     repeats = max(5, args.repeats)
@@ -65,9 +65,13 @@ def main() -> int:
     def ratio(runs: dict[str, list[float]], ours: str, theirs: str) -> str:
         return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[theirs])]).fmt(1, 1)}x"
 
+    def share(runs: dict[str, list[float]], ours: str, limit: str) -> str:
+        return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[limit])]).fmt(100, 0)} %"
+
     shm_rows, tcp_rows, chart = [], [], {}
+    copy_threads = default_threads()  # plain memcpy gets as many threads as kvcr's same-host copy
     labels = {"nv2": "NVIDIA, 2 processes", "nv1": "NVIDIA, 1 process", "get": "kvcr UCX GET",
-              "shm": "kvcr same-host copy"}
+              "shm": "kvcr same-host copy", "memcpy": f"memcpy, {copy_threads} threads"}
 
     def plot(group: str, runs: dict[str, list[float]], total: int) -> None:
         chart[group] = {labels[k]: [total / t / 1e9 for t in v] for k, v in runs.items()}
@@ -77,11 +81,12 @@ def main() -> int:
             "nv2": lambda p, b: run_reference(python, p, b, 10, processes=2),
             "nv1": lambda p, b: run_reference(python, p, b, 10, processes=1),
             "get": lambda p, b: run_ours(p, b, 10, "get"),
-            "shm": lambda p, b: run_ours(p, b, 10, "shm")})
+            "shm": lambda p, b: run_ours(p, b, 10, "shm"),
+            "memcpy": lambda p, b: run_memcpy(p, b, 10, copy_threads)})
         cell = cells(runs, pages * page_bytes)
         shm_rows.append(f"| {pages} × {page_bytes >> 10} KiB | {cell('nv2')} | {cell('nv1')} | {cell('get')} | "
-                        f"{cell('shm')} | {ratio(runs, 'shm', 'nv2')} | {ratio(runs, 'shm', 'nv1')} | "
-                        f"{ratio(runs, 'get', 'nv2')} |")
+                        f"{cell('shm')} | {cell('memcpy')} | {ratio(runs, 'shm', 'nv2')} | {ratio(runs, 'shm', 'nv1')} | "
+                        f"{ratio(runs, 'get', 'nv2')} | {share(runs, 'shm', 'memcpy')} |")
         print(shm_rows[-1])
         plot(f"shared memory, {pages} × {page_bytes >> 10} KiB", runs, pages * page_bytes)
     for pages, page_bytes in ((32, 1 << 20),):
@@ -102,13 +107,16 @@ def main() -> int:
              f"source's pool mapped read-only, {copier.threads} copy threads, non-temporal stores "
              f"{'on' if copier.streams else 'off (no C helper)'}). Each repeat runs every system once, in turn; each "
              "run is the median of 10 transfers after a warm-up into one of 4 destination copies used in turn, bytes "
-             "checked every time (memcmp and memset: nothing allocated). Median (min–max) over repeats; ratios are "
-             "per repeat.")
+             "checked every time (memcmp and memset: nothing allocated). The physical limit on one host, in the "
+             f"same run: plain memcpy (glibc, {copy_threads} threads) of the same bytes from a pre-faulted shared-memory "
+             "file into the same rotation of destinations; the last column is its time over the whole same-host pull "
+             "(claim round trip included). Median (min–max) over repeats; ratios are per repeat.")
     copier.close()
     publish("vs_nvidia_kvcr", "Against NVIDIA kvcr 0.1.1", intro,
             [["Shared memory (`UCX_TLS=sm,tcp` for kvcr, UCX's own choice for NVIDIA kvcr):"],
              table(["transfer", "NVIDIA, 2 processes", "NVIDIA, 1 process", "kvcr UCX GET", "kvcr same-host copy",
-                    "same-host / NVIDIA 2p", "same-host / NVIDIA 1p", "UCX GET / NVIDIA 2p"], shm_rows),
+                    labels["memcpy"], "same-host / NVIDIA 2p", "same-host / NVIDIA 1p", "UCX GET / NVIDIA 2p",
+                    "same-host pull / memcpy"], shm_rows),
              ["TCP (`UCX_TLS=tcp` for both, loopback):"],
              table(["transfer", "NVIDIA, 2 processes", "kvcr UCX GET", "kvcr / NVIDIA"], tcp_rows)],
             write=not args.no_write, chart=chart)
