@@ -28,3 +28,11 @@ def test_sglang_adapter_bench_runs_against_real_pools_and_checks_its_bytes():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| same-host") or line.startswith("| UCX")]
     assert len(rows) == 2
+
+
+def test_pull_breakdown_bench_times_every_phase_and_checks_its_bytes():
+    out = subprocess.run([sys.executable, "bench/pull_breakdown.py", "--repeats", "1", "--iterations", "3", "--no-write"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| shared memory") or line.startswith("| TCP")]
+    assert len(rows) == 4 and all(line.count("|") == 10 for line in rows), out.stdout
