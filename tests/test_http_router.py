@@ -410,13 +410,13 @@ def test_a_worker_is_dead_once_its_stream_is_silent_for_dead_after_s_and_revived
     for w in ("a", "b"):
         live.watch((w, 0), now=0.0)
     revived = []
-    for kind, worker, now in events:
-        if kind == "heard" and live.heard((worker, 0), now):
-            revived.append(worker)
+    for kind, name, now in events:
+        if kind == "heard" and live.heard((name, 0), now):
+            revived.append(name)
         elif kind == "expire":
             live.expire(now)
         elif kind == "forget":
-            live.forget((worker, 0))
+            live.forget((name, 0))
     assert {w for w, _ in live.dead} == expected["dead"] and revived == expected["revived"]
 
 
