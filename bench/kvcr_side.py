@@ -23,25 +23,15 @@ def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get
     code = f"""
 import json, statistics, sys
 sys.path.insert(0, {str(ROOT)!r})
-from bench.peer_pull import start_source
+from bench.peer_pull import start_filled_source
 from pathlib import Path
-from typing import Callable
 import ctypes, os, tempfile, time
-from kvcr.client import AttachedWriter, ControlClient
 from kvcr.drivers.ucx_plane import UcxPlane
 from kvcr.drivers.puller import Puller
-from kvcr.proto.keys import request_page_hashes
 pages, page_bytes, iterations, ROTATION = {pages}, {page_bytes}, {iterations}, {ROTATION}
 with tempfile.TemporaryDirectory() as tmp:
-    proc, info = start_source(Path(tmp), page_bytes, pages, dict(os.environ))
+    proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ))
     try:
-        control = info["endpoints"]["control"]
-        keys = request_page_hashes(list(range(pages * 16)), 16)
-        payload = [bytes([i % 251]) * page_bytes for i in range(pages)]
-        with ControlClient(control) as client:
-            while not client.info()["ucx"]["rkeys"]:
-                time.sleep(0.05)
-            w = AttachedWriter(client); w.put("kv", keys, payload); w.close()
         plane = UcxPlane(progress_thread=False)
         puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r})
         total = pages * page_bytes

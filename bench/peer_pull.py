@@ -47,29 +47,39 @@ def start_source(tmp: Path, page_bytes: int, pages: int, env: dict) -> tuple[sub
     return proc, json.loads(info_file.read_text())
 
 
-def child(transport: str, repeats: int, quick: bool) -> list[dict]:
+def start_filled_source(tmp: Path, page_bytes: int, pages: int, env: dict, payload: list[bytes] | None = None
+                        ) -> tuple[subprocess.Popen, str, list[str], list[bytes]]:
+    """A source runner holding `pages` pages under a request's page keys (page i is byte i % 251
+    unless `payload` is given); returns (process, control endpoint, keys, payload)."""
     from kvcr.client import AttachedWriter, ControlClient
+    from kvcr.proto.keys import request_page_hashes
+
+    proc, info = start_source(tmp, page_bytes, pages, env)
+    control = info["endpoints"]["control"]
+    keys = request_page_hashes(list(range(pages * 16)), 16)
+    payload = payload or [bytes([i % 251]) * page_bytes for i in range(pages)]
+    with ControlClient(control) as client:
+        deadline = time.monotonic() + 10
+        while not client.info()["ucx"]["rkeys"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        writer = AttachedWriter(client)
+        writer.put("kv", keys, payload)
+        writer.close()
+    return proc, control, keys, payload
+
+
+def child(transport: str, repeats: int, quick: bool) -> list[dict]:
     from kvcr.drivers.ucx_plane import UcxPlane
     from kvcr.drivers.puller import Puller
-    from kvcr.proto.keys import request_page_hashes
     from kvcr.proto.pull import plan_gets
 
     plane = UcxPlane(progress_thread=False)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvcr-bench-pull-") as tmp:
         for page_bytes, pages in (CASES[:2] if quick else CASES):
-            proc, info = start_source(Path(tmp), page_bytes, pages, dict(os.environ))
+            proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ),
+                                                               [os.urandom(page_bytes) for _ in range(pages)])
             try:
-                control = info["endpoints"]["control"]
-                keys = request_page_hashes(list(range(pages * 16)), 16)
-                payload = [os.urandom(page_bytes) for _ in range(pages)]
-                with ControlClient(control) as client:
-                    deadline = time.monotonic() + 10
-                    while not client.info()["ucx"]["rkeys"] and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    writer = AttachedWriter(client)
-                    writer.put("kv", keys, payload)
-                    writer.close()
                 puller = Puller(plane, timeout_s=30, abandon_s=5)
                 dest = ctypes.create_string_buffer(page_bytes * pages)
                 slots = list(range(pages))

@@ -63,12 +63,10 @@ def start_echo() -> tuple[subprocess.Popen, str]:
 def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]:
     import zmq
 
-    from bench.peer_pull import start_source
-    from kvcr.client import AttachedWriter, ControlClient
+    from bench.peer_pull import start_filled_source
     from kvcr.drivers.puller import Puller
     from kvcr.drivers.ucx_plane import UcxPlane
     from kvcr.proto import messages as m
-    from kvcr.proto.keys import request_page_hashes
     from kvcr.proto.pull import plan_gets
 
     plane = UcxPlane(progress_thread=False)
@@ -79,17 +77,8 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
     try:
         with tempfile.TemporaryDirectory(prefix="kvcr-bench-breakdown-") as tmp:
             for page_bytes, pages in CASES:
-                proc, info = start_source(Path(tmp), page_bytes, pages, dict(os.environ))
+                proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ))
                 try:
-                    control = info["endpoints"]["control"]
-                    keys = request_page_hashes(list(range(pages * 16)), 16)
-                    payload = [bytes([i % 251]) * page_bytes for i in range(pages)]
-                    with ControlClient(control) as client:
-                        while not client.info()["ucx"]["rkeys"]:
-                            time.sleep(0.05)
-                        writer = AttachedWriter(client)
-                        writer.put("kv", keys, payload)
-                        writer.close()
                     puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get")
                     dest = ctypes.create_string_buffer(pages * page_bytes)
                     dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]
