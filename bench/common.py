@@ -95,14 +95,14 @@ def bar_chart(path: Path, title: str, groups: dict[str, dict[str, list[float]]],
 
     systems = list(dict.fromkeys(s for g in groups.values() for s in g))
     width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 * len(groups)), 4))
     for i, system in enumerate(systems):
         xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
         values = [groups[name].get(system, [0.0]) for name in groups]
         medians = [statistics.median(v) for v in values]
         errors = [[m - min(v) for m, v in zip(medians, values)], [max(v) - m for m, v in zip(medians, values)]]
         ax.bar(xs, medians, width=width, yerr=errors, capsize=3, label=system)
-    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_xticks(range(len(groups)), [g.replace(", ", "\n") for g in groups], fontsize=8)  # "what, size": two lines
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.legend(fontsize=8)

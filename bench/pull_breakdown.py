@@ -39,6 +39,7 @@ TRANSPORTS = {"shared memory (UCX GET)": "sm,tcp", "TCP": "tcp"}
 CASES = [(64 << 10, 16), (1 << 20, 32)]
 SETTLE_S = 0.002  # between phases: the one before (a queued release, UCX's tail) is over
 PHASES = ("echo", "lookup", "confirm", "deliver", "raw_get", "pull")
+PHASE_NAMES = ("ZMQ echo", "lookup", "confirm (claim)", "deliver", "raw GET", "pull")
 ECHO = """
 import sys, zmq
 sock = zmq.Context().socket(zmq.ROUTER)
@@ -204,9 +205,11 @@ def main() -> int:
         if out.returncode != 0:
             raise SystemExit(out.stderr)
         rows += json.loads(out.stdout.strip().splitlines()[-1])  # UCX may print warnings first
-    lines, spy_lines = [], []
+    lines, spy_lines, chart = [], [], {}
     for r in rows:
         runs = r["runs"]
+        chart[f"{r['transport'].split(' (')[0]}, {r['pages']} × {r['page_bytes'] >> 10} KiB"] = {
+            name: [t * 1e3 for t in runs[key]] for key, name in zip(PHASES, PHASE_NAMES)}
         over = [p - g for p, g in zip(runs["pull"], runs["raw_get"])]
         lines.append(f"| {r['transport']} | {r['pages']} × {r['page_bytes'] >> 10} KiB | "
                      + " | ".join(fmt_ms(runs[p]) for p in PHASES) + f" | {fmt_ms(over)} |")
@@ -229,7 +232,8 @@ def main() -> int:
                      "pull − raw GET"], lines)]
     if spy_lines:
         tables.append(table(["transport", "pages", "busy samples", *(a for a, _ in AREAS), "other"], spy_lines))
-    publish("pull_breakdown", "Where a pull's time goes", intro, tables, write=not args.no_write)
+    publish("pull_breakdown", "Where a pull's time goes", intro, tables, write=not args.no_write, chart=chart,
+            unit="ms")
     return 0
 
 

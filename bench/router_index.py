@@ -122,7 +122,9 @@ def main() -> int:
              "Rust/ours: above 1 means ours is faster).")
     publish("router_index", "Router index: ingest and match against Dynamo's RadixTree", intro,
             [table(["measure", "kvcr (Python)", "Dynamo RadixTree (Rust)", "ratio"], rows)],
-            write=not args.no_write)
+            write=not args.no_write, unit="thousand blocks/s",
+            chart={"ingest": {"kvcr (Python)": [x / 1e3 for x in ingest_ours],
+                              "Dynamo RadixTree (Rust)": [x / 1e3 for x in ingest_rust]}})
     return 0
 
 
