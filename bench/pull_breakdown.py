@@ -221,7 +221,9 @@ def main() -> int:
             print(spy_lines[-1])
     intro = (f"`python bench/pull_breakdown.py --repeats {args.repeats}{' --py-spy' if spy else ''}` on "
              f"{machine_line()}: a source runner process and this process, loopback. Each phase is timed "
-             f"{args.iterations} times per repeat, in turn with the others; median (min–max) over the "
+             f"{args.iterations} times per repeat, in turn with the others, each after a {SETTLE_S * 1e3:.0f} ms "
+             "pause so that the release the phase before queued has ended (the pauses cost wake-ups: back to "
+             "back, as in the anchor comparisons, a pull is faster); median (min–max) over the "
              f"{args.repeats} repeats' medians, ms. echo: a ZMQ round trip of a claim-sized frame to a Python "
              "echo socket in another process (the floor of a control round trip between two Python processes). "
              "lookup: kvcr's control round trip (codec and the runner's handler, no claim). confirm: the claim. "
