@@ -10,6 +10,8 @@ is queued, has ended):
   floor of any control round trip between two Python processes);
 - lookup: kvcr's control round trip with its codec and the runner's handler, no claim;
 - confirm: the claim round trip (`Puller.confirm`);
+- confirm, digests: the same claim asking a digest of every page, as a secured deployment's pulls
+  do (keys turn page digests on); the source computes them off its control thread;
 - deliver: the GETs and the release, which is queued, not waited for (`Puller.deliver`);
 - raw GET: the same GETs on the same endpoint and rkey, no claim (the transport's floor);
 - pull: `Puller.pull`, all of it.
@@ -38,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 TRANSPORTS = {"shared memory (UCX GET)": "sm,tcp", "TCP": "tcp"}
 CASES = [(64 << 10, 16), (1 << 20, 32)]
 SETTLE_S = 0.002  # between phases: the one before (a queued release, UCX's tail) is over
-PHASES = ("echo", "lookup", "confirm", "deliver", "raw_get", "pull")
-PHASE_NAMES = ("ZMQ echo", "lookup", "confirm (claim)", "deliver", "raw GET", "pull")
+PHASES = ("echo", "lookup", "confirm", "confirm_digests", "deliver", "raw_get", "pull")
+PHASE_NAMES = ("ZMQ echo", "lookup", "confirm (claim)", "confirm, digests", "deliver", "raw GET", "pull")
 ECHO = """
 import sys, zmq
 sock = zmq.Context().socket(zmq.ROUTER)
@@ -81,6 +83,7 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                 proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ))
                 try:
                     puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get")
+                    checking = Puller(plane, timeout_s=30, abandon_s=5, transport="get", verify_transfer_bytes=True)
                     dest = ctypes.create_string_buffer(pages * page_bytes)
                     dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]
                     src = puller.source(control)
@@ -89,7 +92,7 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                            for op in plan_gets(dests, conf.offsets, page_bytes, chunks=src.terms.chunks)]
                     puller.release(conf)
                     frame = m.encode(m.ClaimRequest(pool="kv", keys=list(keys), lease_s=5.0, request_id=1))
-                    steps = _steps(puller, plane, src, echo, frame, control, keys, dests, ops)
+                    steps = _steps(puller, checking, plane, src, echo, frame, control, keys, dests, ops)
                     for step in steps.values():
                         step()  # warm-up: endpoints, rkeys, page faults
                     runs = {name: [] for name in steps}
@@ -106,6 +109,7 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                     rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
                                  "runs": runs, "shares": shares})
                     puller.close()
+                    checking.close()
                 finally:
                     proc.terminate()
                     proc.wait(15)
@@ -115,7 +119,7 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
     return rows
 
 
-def _steps(puller, plane, src, echo, frame: bytes, control: str, keys, dests, ops) -> dict:
+def _steps(puller, checking, plane, src, echo, frame: bytes, control: str, keys, dests, ops) -> dict:
     def timed(fn):
         def step() -> float:
             t0 = time.perf_counter()
@@ -137,6 +141,11 @@ def _steps(puller, plane, src, echo, frame: bytes, control: str, keys, dests, op
         held.append(puller.confirm(control, "kv", keys))
         assert held[-1] is not None and held[-1].num_pages == len(keys)
 
+    def confirm_digests() -> None:
+        conf = checking.confirm(control, "kv", keys)
+        assert conf is not None and len(conf.digests) == len(keys)
+        checking.release(conf)
+
     def deliver() -> None:
         assert puller.deliver(held.pop(), dests).delivered == len(keys)
 
@@ -144,7 +153,7 @@ def _steps(puller, plane, src, echo, frame: bytes, control: str, keys, dests, op
         assert puller.pull(control, "kv", keys, dests).delivered == len(keys)
 
     return {"echo": timed(echo_once), "lookup": timed(lambda: puller.lookup(control, "kv", keys)),
-            "confirm": timed(confirm), "deliver": timed(deliver), "raw_get": timed(raw_get), "pull": timed(pull)}
+            "confirm": timed(confirm), "confirm_digests": timed(confirm_digests), "deliver": timed(deliver), "raw_get": timed(raw_get), "pull": timed(pull)}
 
 
 def _sampled(spy: str, pull, seconds: float = 3.0) -> dict[str, float]:
@@ -227,10 +236,12 @@ def main() -> int:
              f"{args.repeats} repeats' medians, ms. echo: a ZMQ round trip of a claim-sized frame to a Python "
              "echo socket in another process (the floor of a control round trip between two Python processes). "
              "lookup: kvcr's control round trip (codec and the runner's handler, no claim). confirm: the claim. "
+             "confirm, digests: the claim with a digest of every page, as a secured deployment's pulls ask it "
+             "(computed off the source's control thread). "
              "deliver: the GETs, then the release (queued, not waited for). raw GET: the same GETs with no claim "
              "(the transport's floor). pull: `Puller.pull`, all of it; a pull is confirm + deliver. The last "
              "column is what a pull costs over the raw GETs.")
-    tables = [table(["transport", "pages", "echo", "lookup", "confirm", "deliver", "raw GET", "pull",
+    tables = [table(["transport", "pages", "echo", "lookup", "confirm", "confirm, digests", "deliver", "raw GET", "pull",
                      "pull − raw GET"], lines)]
     if spy_lines:
         tables.append(table(["transport", "pages", "busy samples", *(a for a, _ in AREAS), "other"], spy_lines))

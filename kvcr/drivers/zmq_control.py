@@ -23,6 +23,7 @@ from ..proto.control import Lane, lane_for
 from ..proto.keys import StorageKey
 from ..proto.pool import Page, PoolError
 from ..proto.pull import NoPuller, PeerError
+from .wakeup import Waker
 
 if TYPE_CHECKING:
     from ..pulls import PeerPulls
@@ -74,6 +75,7 @@ class ControlServer:
         # Serving a peer never waits behind our own pulls (two runners pulling from each other).
         self._serving = ThreadPoolExecutor(4, thread_name_prefix="kvcr-control-serve")
         self._done: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._wake = Waker()  # a deferred reply goes out at once, not at the poll's next timeout
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
                           m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
@@ -95,7 +97,10 @@ class ControlServer:
         self._slow.shutdown(wait=True, cancel_futures=True)
         self._serving.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
+        self._wake.wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._wake.close()
 
     def _run(self) -> None:
         try:
@@ -111,10 +116,14 @@ class ControlServer:
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(5):
+                if sock in dict(poller.poll(1000)):
                     self._serve_one(sock)
+                self._wake.clear()
                 while not self._done.empty():
                     sock.send_multipart(self._done.get())
         except BaseException as exc:  # reported by health()
@@ -157,6 +166,7 @@ class ControlServer:
         except Exception as exc:
             reply = self._error_reply(exc)
         self._done.put(self._frames(route, request_id, reply))
+        self._wake.wake()
 
     def _frames(self, route: list[bytes], request_id: int, reply: m.Message) -> list[bytes]:
         if isinstance(reply, m.Error):

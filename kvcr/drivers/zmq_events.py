@@ -21,6 +21,7 @@ from typing import Sequence
 import zmq
 
 from ..proto.events import REPLAY_END_SEQ, Event, EventBatch, decode_seq, encode_seq
+from .wakeup import Waker
 from .zmq_curve import CurveGate
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class EventPublisher:
         self._queue_size = queue_size
         self._replay: deque[tuple[int, list[bytes]]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = Waker()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self.seq = seq or SeqSource()
@@ -111,13 +112,15 @@ class EventPublisher:
                 self._queue.append((seq, None))  # a hole consumers will see
             else:
                 self._queue.append((seq, batch))
-        self._wake.set()
+        self._wake.wake()
         return seq
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
+        self._wake.wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._wake.close()
 
     def _run(self) -> None:
         try:
@@ -141,6 +144,7 @@ class EventPublisher:
         self._ready.set()
         poller = zmq.Poller()
         poller.register(replay, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         try:
             self._loop(pub, replay, poller)
         except BaseException as exc:  # reported by health(); the runner keeps serving pages
@@ -162,11 +166,15 @@ class EventPublisher:
             self._drain(pub)
             if self._stop.is_set():
                 return
-            if poller.poll(timeout=2 if not self._wake.is_set() else 0):
+            if replay in dict(poller.poll(self._heartbeat_due_ms())):
                 self._serve_replay(replay)
-            self._wake.wait(0.002)
             if self.heartbeat_s and time.monotonic() - self._last_publish >= self.heartbeat_s:
                 self.publish([])
+
+    def _heartbeat_due_ms(self) -> int:
+        if not self.heartbeat_s:
+            return 1000
+        return max(0, int((self._last_publish + self.heartbeat_s - time.monotonic()) * 1000) + 1)
 
     def _drain(self, pub: zmq.Socket) -> None:
         self._wake.clear()
