@@ -203,12 +203,6 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
     deadline = time.monotonic() + timeout_s
     while pending or flush is not None:
         progress()
-        for i, request in list(pending.items()):
-            status = _finished(request)
-            if status is not None:
-                done[i] = status == UCS_OK
-                error = error or ("" if status == UCS_OK else f"GET failed with status {status}")
-                del pending[i]
         if flush is not None:
             status = _finished(flush)
             if status is not None:
@@ -216,13 +210,35 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
                 if status != UCS_OK:
                     flush_ok = False
                     error = error or f"flush failed with status {status}"
-        if time.monotonic() >= deadline and (pending or flush is not None):
+        # GETs end about in order: while the flush runs, look only up to the first unfinished one
+        # (a full scan per progress call made a batch quadratic); once it ended, look at all.
+        timed_out = time.monotonic() >= deadline
+        error = _collect(pending, done, error, every=flush is None or timed_out)
+        if timed_out and (pending or flush is not None):
             # GETs that completed hold their bytes for good; the rest are the caller's to end.
             return GetResult(tuple(done), error=error or f"transfer timed out after {timeout_s} s",
                              outstanding=(*pending.values(), *([flush] if flush is not None else [])))
     if not flush_ok:  # a failed flush means no GET can be trusted, whatever its own status said
         done = [False] * len(done)
     return GetResult(tuple(done), error=error)
+
+
+def _collect(pending: dict[int, int], done: list[bool], error: str, *, every: bool) -> str:
+    """Record and free the finished requests in `pending` (op index -> request), in posting order;
+    unless `every`, stop at the first one still running. Returns the first error seen."""
+    ended = []
+    for i, request in pending.items():
+        status = _finished(request)
+        if status is None:
+            if every:
+                continue
+            break
+        ended.append(i)
+        done[i] = status == UCS_OK
+        error = error or ("" if status == UCS_OK else f"GET failed with status {status}")
+    for i in ended:
+        del pending[i]
+    return error
 
 
 def recv_batch(worker: int, ops: list[tuple[int, int, int]], source_answer, *, timeout_s: float,
@@ -242,11 +258,7 @@ def recv_batch(worker: int, ops: list[tuple[int, int, int]], source_answer, *, t
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
         _lib.ucp_worker_progress(worker)
-        for i, request in list(pending.items()):
-            status = _finished(request)
-            if status is not None:
-                done[i] = status == UCS_OK
-                del pending[i]
+        _collect(pending, done, "", every=False)  # the source sends in order: they end in order
         if pending and source_answer() is False:
             break
     if not pending:
