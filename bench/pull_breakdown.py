@@ -144,7 +144,7 @@ def _steps(puller, checking, plane, src, echo, frame: bytes, control: str, keys,
     def confirm_digests() -> None:
         conf = checking.confirm(control, "kv", keys)
         assert conf is not None and len(conf.digests) == len(keys)
-        checking.release(conf)
+        checking.release(conf, wait=False)  # queued, as `deliver` does
 
     def deliver() -> None:
         assert puller.deliver(held.pop(), dests).delivered == len(keys)
