@@ -15,6 +15,9 @@ is queued, has ended):
 - deliver: the GETs and the release, which is queued, not waited for (`Puller.deliver`);
 - raw GET: the same GETs on the same endpoint and rkey, no claim (the transport's floor);
 - pull: `Puller.pull`, all of it.
+Then, back to back at 16 x 64 KiB, what one round trip costs: wall time, and the CPU time the
+source process (ZMQ's I/O thread included) and this one spend per lookup and per claim plus
+release, against a ZMQ echo and a plain TCP socket echo between the same two kinds of process.
 With `--py-spy`, the pulling process is sampled during a loop of pulls and its busy samples are
 split by what they were doing.
 """
@@ -27,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +54,17 @@ print(port, flush=True)
 while True:
     sock.send_multipart(sock.recv_multipart())
 """
+TCP_ECHO = """
+import socket
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while data := conn.recv(1 << 16):
+    conn.sendall(data)
+"""
 # py-spy leaf frames, in order of precedence, and what they mean for a pull.
 AREAS = (("waiting on the control reply", ("poll.py", "socket.py")),
          ("UCX transfer and its polling", ("ucx_rma.py", "ucx_plane.py", "ucxx")),
@@ -58,9 +73,28 @@ AREAS = (("waiting on the control reply", ("poll.py", "socket.py")),
          ("puller driver", ("puller.py", "peer_source.py", "client.py")))
 
 
-def start_echo() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
-    return proc, f"tcp://127.0.0.1:{proc.stdout.readline().strip()}"
+def start_echo(script: str = ECHO) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def round_trip_costs(ops: dict, source_pid: int, n: int) -> dict[str, dict[str, float]]:
+    """Per op, back to back: wall time, the source's CPU time (0 for the echoes, which are not
+    the source) and this process's CPU time, all in seconds."""
+    costs = {}
+    for name, op in ops.items():
+        op()
+        wall, src, own = time.perf_counter(), _cpu_s(source_pid), time.process_time()
+        for _ in range(n):
+            op()
+        costs[name] = {"wall": (time.perf_counter() - wall) / n, "source": (_cpu_s(source_pid) - src) / n,
+                       "client": (time.process_time() - own) / n}
+    return costs
 
 
 def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]:
@@ -73,9 +107,12 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
     from kvcr.proto.pull import plan_gets
 
     plane = UcxPlane(progress_thread=False)
-    echo_proc, echo_endpoint = start_echo()
+    echo_proc, echo_port = start_echo()
     echo = zmq.Context.instance().socket(zmq.DEALER)
-    echo.connect(echo_endpoint)
+    echo.connect(f"tcp://127.0.0.1:{echo_port}")
+    tcp_proc, tcp_port = start_echo(TCP_ECHO)
+    tcp_echo = socket.create_connection(("127.0.0.1", tcp_port))
+    tcp_echo.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="kvcr-bench-breakdown-") as tmp:
@@ -106,8 +143,10 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                             runs[name].append(statistics.median(values))
                     assert ctypes.string_at(dest, pages * page_bytes) == b"".join(payload), "wrong bytes"
                     shares = _sampled(spy, lambda: steps["pull"]()) if spy else {}
+                    costs = round_trip_costs(_round_trips(puller, echo, tcp_echo, frame, control, keys), proc.pid,
+                                             20 * iterations) if page_bytes == CASES[0][0] else {}
                     rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
-                                 "runs": runs, "shares": shares})
+                                 "runs": runs, "shares": shares, "costs": costs})
                     puller.close()
                     checking.close()
                 finally:
@@ -115,8 +154,27 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                     proc.wait(15)
     finally:
         echo_proc.kill()
+        tcp_proc.kill()
         plane.close()
     return rows
+
+
+def _round_trips(puller, echo, tcp_echo, frame: bytes, control: str, keys) -> dict:
+    def zmq_echo() -> None:
+        echo.send_multipart([b"", frame])
+        echo.recv_multipart()
+
+    def socket_echo() -> None:
+        tcp_echo.sendall(frame)
+        got = 0
+        while got < len(frame):
+            got += len(tcp_echo.recv(1 << 16))
+
+    def claim_and_release() -> None:
+        puller.release(puller.confirm(control, "kv", keys))
+
+    return {"plain TCP socket echo": socket_echo, "ZMQ echo": zmq_echo,
+            "lookup": lambda: puller.lookup(control, "kv", keys), "claim + release": claim_and_release}
 
 
 def _steps(puller, checking, plane, src, echo, frame: bytes, control: str, keys, dests, ops) -> dict:
@@ -214,8 +272,13 @@ def main() -> int:
         if out.returncode != 0:
             raise SystemExit(out.stderr)
         rows += json.loads(out.stdout.strip().splitlines()[-1])  # UCX may print warnings first
-    lines, spy_lines, chart = [], [], {}
+    lines, spy_lines, cost_lines, chart = [], [], [], {}
     for r in rows:
+        for name, c in r["costs"].items():
+            cost_lines.append(f"| {r['transport']} | {name} | {c['wall'] * 1e6:.0f} | "
+                              + (f"{c['source'] * 1e6:.0f}" if name in ("lookup", "claim + release") else "–")
+                              + f" | {c['client'] * 1e6:.0f} |")
+            print("cost:", cost_lines[-1])
         runs = r["runs"]
         chart[f"{r['transport'].split(' (')[0]}, {r['pages']} × {r['page_bytes'] >> 10} KiB"] = {
             name: [t * 1e3 for t in runs[key]] for key, name in zip(PHASES, PHASE_NAMES)}
@@ -240,9 +303,14 @@ def main() -> int:
              "(computed off the source's control thread). "
              "deliver: the GETs, then the release (queued, not waited for). raw GET: the same GETs with no claim "
              "(the transport's floor). pull: `Puller.pull`, all of it; a pull is confirm + deliver. The last "
-             "column is what a pull costs over the raw GETs.")
+             "column is what a pull costs over the raw GETs. The second table: back to back at 16 × 64 KiB, "
+             f"{20 * args.iterations} of each, per op, the wall time and the CPU time the source process (ZMQ's I/O "
+             "thread included) and this process spend; the echoes answer from Python processes of their own "
+             "(a ZMQ ROUTER, and a plain TCP socket with TCP_NODELAY).")
     tables = [table(["transport", "pages", "echo", "lookup", "confirm", "confirm, digests", "deliver", "raw GET", "pull",
                      "pull − raw GET"], lines)]
+    tables.append(table(["transport", "back to back, 16 × 64 KiB", "wall µs", "source CPU µs", "client CPU µs"],
+                        cost_lines))
     if spy_lines:
         tables.append(table(["transport", "pages", "busy samples", *(a for a, _ in AREAS), "other"], spy_lines))
     publish("pull_breakdown", "Where a pull's time goes", intro, tables, write=not args.no_write, chart=chart,

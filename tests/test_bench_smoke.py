@@ -35,4 +35,4 @@ def test_pull_breakdown_bench_times_every_phase_and_checks_its_bytes():
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| shared memory") or line.startswith("| TCP")]
-    assert len(rows) == 4 and all(line.count("|") == 10 for line in rows), out.stdout
+    assert len(rows) == 4 and all(line.count("|") == 11 for line in rows), out.stdout
