@@ -13,23 +13,22 @@ import threading
 
 class Waker:
     def __init__(self) -> None:
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.fd = self._fd  # what the poller registers; stays valid until close()
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # what the poller registers; -1 once closed
         self._lock = threading.Lock()  # a wake racing close() must not write to a reused fd number
 
     def wake(self) -> None:
         with self._lock:
-            if self._fd >= 0:
-                os.eventfd_write(self._fd, 1)
+            if self.fd >= 0:
+                os.eventfd_write(self.fd, 1)
 
     def clear(self) -> None:
         """Called by the woken thread before it looks at what it was woken for."""
         with self._lock, contextlib.suppress(BlockingIOError):
-            if self._fd >= 0:
-                os.eventfd_read(self._fd)
+            if self.fd >= 0:
+                os.eventfd_read(self.fd)
 
     def close(self) -> None:
         with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1

@@ -121,9 +121,11 @@ class ControlServer:
         poller.register(self._wake.fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock in dict(poller.poll(1000)):
+                ready = dict(poller.poll(1000))
+                if sock in ready:
                     self._serve_one(sock)
-                self._wake.clear()
+                if self._wake.fd in ready:  # cleared only when set: no syscall per plain request
+                    self._wake.clear()
                 while not self._done.empty():
                     sock.send_multipart(self._done.get())
         except BaseException as exc:  # reported by health()
