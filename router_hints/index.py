@@ -32,6 +32,21 @@ _TIER_LANES = (0b111, 0b110, 0b100)
 _EXTERNAL = 0  # a held entry: [the publisher's own hash (u64), device, host, disk refcounts]
 
 
+def _drop_lanes(tier: int, present: int) -> int:
+    """The lanes a block leaves when its last copy in `tier` goes, given which tiers still hold
+    it (bit t set: tier t does): each class from that tier up, until one a remaining tier fills."""
+    drop = 0
+    for c in range(tier, 3):
+        if present & ((1 << (c + 1)) - 1):  # class c holds tiers 0..c
+            break
+        drop |= 1 << c
+    return drop
+
+
+_FIRST_COPY = ((1, 0, 0), (0, 1, 0), (0, 0, 1))  # a held entry's refcounts after its first copy, by tier
+_DROP_LANES = tuple(tuple(_drop_lanes(tier, present) for present in range(8)) for tier in range(3))
+
+
 @dataclass(frozen=True, slots=True)
 class Overlap:
     """Leading blocks of a request a worker holds: on device, then host, then disk."""
@@ -99,16 +114,21 @@ class InventoryIndex:
         local = dynamo_local_block_hashes(tokens if len(tokens) == n else tokens[:n], self.block_size,
                                           lora_name=event.lora_name, cache_namespace=namespace)
         lanes, masks, slot = self._bit(worker) * _TIER_LANES[tier], self._masks, tier + 1
-        by_external, holding = state.by_external, state.held
-        for external, seq in zip(event.block_hashes, dynamo_sequence_hashes(local, parent_seq)):
-            external &= U64_MASK
-            by_external[external] = seq
+        hashes = event.block_hashes
+        externals = hashes if min(hashes) >= 0 else [h & U64_MASK for h in hashes]
+        seqs = dynamo_sequence_hashes(local, parent_seq)
+        state.by_external.update(zip(externals, seqs))
+        holding, first = state.held, _FIRST_COPY[tier]
+        for external, seq in zip(externals, seqs):
             held = holding.get(seq)
             if held is None:
-                held = holding[seq] = [external, 0, 0, 0]
-            if not held[slot]:  # the tier's first copy: the block joins its classes
-                masks[seq] = masks.get(seq, 0) | lanes
-            held[slot] += 1
+                holding[seq] = [external, *first]
+            elif held[slot]:
+                held[slot] += 1
+                continue
+            else:
+                held[slot] = 1
+            masks[seq] = masks.get(seq, 0) | lanes  # the tier's first copy: the block joins its classes
 
     def _removed(self, worker: Worker, state: _WorkerState, event: BlockRemoved) -> None:
         tier = _MEDIUM_TIER.get(event.medium)
@@ -116,27 +136,24 @@ class InventoryIndex:
             self.num_ignored += 1
             return
         bit, slot, masks = self._bits.get(worker, 0), tier + 1, self._masks
-        by_external, holding = state.by_external, state.held
-        for external in event.block_hashes:
-            external &= U64_MASK
+        by_external, holding, drops = state.by_external, state.held, _DROP_LANES[tier]
+        hashes = event.block_hashes
+        for external in hashes if min(hashes) >= 0 else [h & U64_MASK for h in hashes]:
             seq = by_external.get(external)
-            held = holding.get(seq) if seq is not None else None
+            held = holding.get(seq)
             if held is None or not held[slot]:
                 continue
             held[slot] -= 1
             if held[slot]:
                 continue
-            # The tier's last copy went: the block leaves each class from that tier up, until
-            # one still holds it (a class holds every tier below it).
+            # The tier's last copy went: the block leaves the classes no other tier still fills.
             _, device, host, disk = held
-            present = (device, device or host, device or host or disk)
-            drop = 0
-            for c in range(tier, 3):
-                if present[c]:
-                    break
-                drop |= bit << c
-            _clear_bit(masks, seq, drop)
-            if not present[2]:
+            left = masks.get(seq, 0) & ~(bit * drops[(device > 0) | (host > 0) << 1 | (disk > 0) << 2])
+            if left:
+                masks[seq] = left
+            else:
+                masks.pop(seq, None)
+            if not (device or host or disk):
                 del holding[seq]
                 del by_external[external]
 

@@ -45,10 +45,12 @@ class Choice:
 
 def cost(model: CostModel, overlap: Overlap, load: Load, request_blocks: int, block_size: int,
          min_active_prefill: int) -> float:
-    decay = 1.0 / (1.0 + model.overlap_score_credit_decay * (
-        (load.active_prefill_tokens - min_active_prefill) / block_size) / max(1, request_blocks))
-    credit = (model.overlap_score_credit * decay * overlap.device + model.host_cache_hit_weight * overlap.host
-              + model.disk_cache_hit_weight * overlap.disk)
+    credit = 0.0
+    if overlap.device:  # the decay only scales device credit
+        decay = 1.0 / (1.0 + model.overlap_score_credit_decay * (
+            (load.active_prefill_tokens - min_active_prefill) / block_size) / max(1, request_blocks))
+        credit = model.overlap_score_credit * decay * overlap.device
+    credit += model.host_cache_hit_weight * overlap.host + model.disk_cache_hit_weight * overlap.disk
     return (model.prefill_load_scale * max(0.0, load.active_prefill_blocks + request_blocks - credit)
             + load.potential_decode_blocks + model.decode_active_request_weight * load.active_requests)
 
@@ -59,17 +61,19 @@ def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Ov
     over normalised costs when the model has a temperature."""
     if not candidates:
         raise ValueError("no candidate workers")
-    min_prefill = min(loads.get(w, _IDLE).active_prefill_tokens for w in candidates)
+    min_prefill = min(loads.get(w, _IDLE).active_prefill_tokens for w in candidates) \
+        if model.overlap_score_credit_decay else 0  # read by the decay alone
     costs = {w: cost(model, overlaps.get(w, _NONE), loads.get(w, _IDLE), request_blocks, block_size,
                      min_prefill) for w in candidates}
+    lo = min(costs.values())
     if model.temperature > 0:
-        lo, hi = min(costs.values()), max(costs.values())
-        span = (hi - lo) or 1.0
+        span = (max(costs.values()) - lo) or 1.0
         weights = [math.exp(-((costs[w] - lo) / span) / model.temperature) for w in candidates]
         pick = (rng or random.Random()).choices(candidates, weights)[0]
     else:
-        pick = min(candidates, key=lambda w: (costs[w], worker_order(w)))
-    return Choice(pick, costs[pick], overlaps.get(pick, Overlap()), costs)
+        tied = [w for w in candidates if costs[w] == lo]
+        pick = tied[0] if len(tied) == 1 else min(tied, key=worker_order)
+    return Choice(pick, costs[pick], overlaps.get(pick, _NONE), costs)
 
 
 @lru_cache(maxsize=4096)  # asked for every candidate of every decision; workers are few

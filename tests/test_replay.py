@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from router_hints.replay.caches import BlockLRU
 from router_hints.replay.live import simulated_cluster
 from router_hints.replay.sim import SimConfig, Simulation, simulate
 from router_hints.replay.trace import TraceError, TraceRequest, parse_lines
@@ -85,6 +86,22 @@ def test_a_worker_reuses_what_its_nvme_kept_after_dram_let_it_go():
     cfg = SimConfig(workers=1, dram_blocks=10, nvme_blocks=100)
     r = Simulation(cfg, "kv").run([req(0, range(10)), req(10, range(100, 110)), req(20, range(10))])
     assert r.reused == {"dram": 0, "nvme": 10, "peer": 0}
+
+
+def test_an_lru_fill_keeps_the_request_head_most_recent_and_evicts_the_oldest():
+    lru = BlockLRU(5)
+    assert lru.fill([1, 2, 3]) == ([1, 2, 3], [])
+    assert lru.fill([4, 5]) == ([4, 5], [])
+    assert lru.fill([1, 2, 6]) == ([6], [3])      # 1 and 2 are touched, 3 is the oldest
+    assert lru.fill([7, 8]) == ([7, 8], [5, 4])   # 4 and 5 were filled before 6, 2 and 1
+    assert lru.fill([1, 9, 2]) == ([9], [6])      # a hole in a held run is filled in place
+
+
+@pytest.mark.parametrize("policy, indexed", [("round_robin", False), ("ideal", False), ("kv", True), ("kvcr", True)])
+def test_only_the_policies_that_route_by_the_index_feed_it(cfg, policy, indexed):
+    sim = Simulation(cfg, policy)
+    sim.run([req(0, range(10)), req(100, range(20, 30))])
+    assert (sim.index.num_blocks() == 20) is indexed and (sim.index.num_blocks() == 0) is not indexed
 
 
 def test_queueing_delays_a_request_behind_the_one_before_it():

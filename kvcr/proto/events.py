@@ -22,6 +22,7 @@ KNOWN_MEDIA = frozenset({"GPU", "DEVICE", "CPU", "CPU_PINNED", "CPU_TIER1", "CPU
                          "STORAGE", "EXTERNAL", "SHARED", "REMOTE", "NETWORK"})
 REPLAY_END_SEQ = b"\xff" * 8
 _I64_MIN = -(1 << 63)
+_INT_ONLY = {int}
 
 
 class EventError(ValueError):
@@ -38,7 +39,7 @@ def _require_hashes(name: str, values: Any) -> tuple[int, ...]:
     if not isinstance(values, (list, tuple)) or not values:
         raise EventError(f"{name} must be a non-empty list of integers, got {values!r}")
     # Fast path for the common case (plain ints in range); the slow path names the bad entry.
-    if not (all(type(v) is int for v in values) and _I64_MIN <= min(values) and max(values) <= U64_MASK):
+    if not (set(map(type, values)) == _INT_ONLY and _I64_MIN <= min(values) and max(values) <= U64_MASK):
         for v in values:
             require_hash(name, v)
     return tuple(values)

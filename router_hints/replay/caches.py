@@ -9,8 +9,9 @@ events a kvcr runner sends (`CPU_PINNED`, `DISK`), for the router's real index t
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import lru_cache
-from itertools import chain
+from functools import lru_cache, partial
+from itertools import chain, islice, takewhile
+from operator import add
 from typing import Sequence
 
 from kvcr.proto.events import BlockRemoved, BlockStored, Event
@@ -21,12 +22,11 @@ SIM_BLOCK = 4  # tokens per block in the router's eyes: a trace block is mapped 
 @lru_cache(maxsize=1 << 20)
 def block_tokens(block: int) -> tuple[int, ...]:
     """The tokens standing for a trace block (unique per id; the id already implies its prefix)."""
-    base = (block * SIM_BLOCK) & 0xFFFF_FFFF
-    return tuple((base + i) & 0xFFFF_FFFF for i in range(SIM_BLOCK))
+    base = (block * SIM_BLOCK) & 0xFFFF_FFFF  # a multiple of SIM_BLOCK: the block's tokens never wrap
+    return tuple(range(base, base + SIM_BLOCK))
 
 
-def external(block: int) -> int:
-    return block + 1  # the hash a simulated engine publishes for the block (never 0)
+external = partial(add, 1)  # the hash a simulated engine publishes for a block id (never 0); C-speed in map()
 
 
 class BlockLRU:
@@ -42,10 +42,7 @@ class BlockLRU:
 
     def leading(self, blocks: Sequence[int], start: int = 0) -> int:
         """How many of blocks[start:] are held, in a row."""
-        n = start
-        while n < len(blocks) and blocks[n] in self._order:
-            n += 1
-        return n - start
+        return len(list(takewhile(self._order.__contains__, islice(blocks, start, None))))  # C speed
 
     def touch(self, blocks: Sequence[int]) -> None:
         order = self._order
@@ -59,17 +56,17 @@ class BlockLRU:
         if self.capacity <= 0:
             return [], []
         order = self._order
+        head = self.leading(blocks)
         stored = []
-        for block in reversed(blocks):  # one pass, tail first: the head ends most recent
+        for block in reversed(blocks[head:]):  # tail first: the head ends most recent
             if block in order:
                 order.move_to_end(block)
             else:
                 order[block] = None
                 stored.append(block)
+        any(map(order.move_to_end, reversed(blocks[:head])))  # held, as leading() found; at C speed (each gives None)
         stored.reverse()
-        evicted = []
-        while len(order) > self.capacity:
-            evicted.append(order.popitem(last=False)[0])
+        evicted = [order.popitem(last=False)[0] for _ in range(len(order) - self.capacity)]
         if evicted:
             gone = set(evicted)
             stored = [b for b in stored if b not in gone]
@@ -125,11 +122,14 @@ class WorkerCache:
     def holds(self, block: int) -> bool:
         return block in self.dram or block in self.nvme
 
-    def fill(self, blocks: Sequence[int]) -> list[Event]:
-        """The request was served here: its blocks are held (touched or stored) in both tiers."""
+    def fill(self, blocks: Sequence[int], publish: bool = True) -> list[Event]:
+        """The request was served here: its blocks are held (touched or stored) in both tiers;
+        returns the events that says (none unless `publish`)."""
         events: list[Event] = []
         for tier, medium in ((self.dram, "CPU_PINNED"), (self.nvme, "DISK")):
             stored, evicted = tier.fill(blocks)
+            if not publish:
+                continue
             events += stored_events(blocks, stored, medium)
             if evicted:
                 events.append(BlockRemoved(block_hashes=tuple(map(external, evicted)), medium=medium))

@@ -12,13 +12,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Sequence
 
 from kvcr.proto.events import EventBatch
 from kvcr.proto.hints import parse_envelope
 from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
 
-from router_hints.index import InventoryIndex, Overlap
+from router_hints.index import InventoryIndex, Overlap, Worker
 from router_hints.scoring import CostModel, Load, choose, choose_source
 from .caches import SIM_BLOCK, WorkerCache, block_tokens
 from .trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -105,8 +106,15 @@ class _Workers:
         self.prefilled = [0] * n
         self.served = [0] * n
 
-    def backlog_tokens(self, w: int, now: float) -> int:
-        return int(max(0.0, self.busy_until[w] - now) * self.cfg.prefill_tokens_per_s)
+    def loads(self, names: Sequence[Worker], now: float) -> dict[Worker, Load]:
+        """The router's view of each busy worker: its backlog in prefill tokens (idle ones: none)."""
+        rate, per_block = self.cfg.prefill_tokens_per_s, self.cfg.block_tokens
+        out = {}
+        for name, until in zip(names, self.busy_until):
+            if until > now:
+                tokens = int((until - now) * rate)
+                out[name] = Load(active_prefill_tokens=tokens, active_prefill_blocks=tokens // per_block)
+        return out
 
     def serve(self, w: int, now: float, load_s: float, recompute: int, output: int) -> float:
         """Queue a request's work on worker w; returns its TTFT."""
@@ -133,6 +141,7 @@ class Simulation:
         self.names = [(str(i), 0) for i in range(cfg.workers)]
         self.endpoints = {w: f"sim://{w[0]}" for w in self.names}
         self.result = PolicyResult(policy)
+        self._indexed = policy in ("kv", "kvcr")  # the policies that read the index: only they feed it
         self._next = 0
         self._seq: dict[int, int] = {}
 
@@ -141,8 +150,8 @@ class Simulation:
     def step(self, req: TraceRequest) -> None:
         now = req.arrival_s / self.cfg.speedup
         blocks = req.blocks
-        seq = self._sequence_hashes(blocks)
-        overlaps = self.index.overlaps(seq) if self.policy in ("kv", "kvcr") else {}
+        seq = self._sequence_hashes(blocks) if self._indexed else []
+        overlaps = self.index.overlaps(seq) if self._indexed else {}
         w = self._route(now, overlaps, len(blocks))
         cache = self.caches[0 if self.policy == "ideal" else w]
         dram, nvme = cache.reusable(blocks)
@@ -159,20 +168,20 @@ class Simulation:
         r.reused["nvme"] += nvme
         r.reused["peer"] += peer
         r.recomputed_tokens += recompute
-        events = cache.fill(blocks)
-        if events and self.policy != "ideal":
+        events = cache.fill(blocks, publish=self._indexed)
+        if events:
             self.index.apply(self.names[w][0], EventBatch(ts=now, events=tuple(events)))
 
     def _sequence_hashes(self, blocks: Sequence[int]) -> list[int]:
         """The index's sequence hashes of a request, by block: an id stands for its whole prefix,
         so each block's hash is computed once (with the index's own functions) and remembered."""
         memo = self._seq
-        out = [memo.get(block) for block in blocks]
+        out = list(map(memo.get, blocks))
         if None not in out:
             return out
         first = out.index(None)  # new blocks extend a known prefix: hash them in one call
         tail = blocks[first:]
-        local = dynamo_local_block_hashes([t for b in tail for t in block_tokens(b)], SIM_BLOCK)
+        local = dynamo_local_block_hashes(list(chain.from_iterable(map(block_tokens, tail))), SIM_BLOCK)
         out[first:] = dynamo_sequence_hashes(local, out[first - 1] if first else None)
         memo.update(zip(tail, out[first:]))
         return out
@@ -183,14 +192,9 @@ class Simulation:
             return (self._next - 1) % self.cfg.workers
         if self.policy == "ideal":  # one cache seen by all: only the queues differ
             return min(range(self.cfg.workers), key=lambda i: (self.queues.busy_until[i], i))
-        busy = self.queues.busy_until
-        loads = {w: self._load(i, now) for i, w in enumerate(self.names) if busy[i] > now}  # idle: Load()
-        choice = choose(self.model, self.names, overlaps, loads, max(1, num_blocks), SIM_BLOCK)
+        choice = choose(self.model, self.names, overlaps, self.queues.loads(self.names, now), max(1, num_blocks),
+                        SIM_BLOCK)
         return int(choice.worker[0])
-
-    def _load(self, w: int, now: float) -> Load:
-        tokens = self.queues.backlog_tokens(w, now)
-        return Load(active_prefill_tokens=tokens, active_prefill_blocks=tokens // self.cfg.block_tokens)
 
     def _pull(self, w: int, blocks: Sequence[int], seq: list[int], overlaps: dict, local: int) -> int:
         """Blocks the hinted peer holds beyond the target's own run (kvcr's hint, parsed as the
