@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_line, publish, table  # noqa: E402
+from bench.common import Spread, machine_line, publish, table  # noqa: E402
 from router_hints.replay.live import compare  # noqa: E402
 from router_hints.replay.sim import POLICIES, SimConfig, simulate  # noqa: E402
 from router_hints.replay.synth import SynthSpec, write  # noqa: E402
@@ -27,14 +27,17 @@ from router_hints.replay.trace import read_trace  # noqa: E402
 LONG = SynthSpec(requests=10000, system_blocks=16, turn_blocks=(3, 12), max_turns=4)  # ~32 blocks a request
 
 
-def long_request_speed() -> tuple[str, float]:
+def long_request_speed(repeats: int = 3) -> tuple[str, float]:
     """The simulator's speed per policy on a trace of long requests (8 workers of 1000 blocks),
-    each policy run alone; and the trace's mean blocks per request."""
+    each policy run alone, as median (min-max) over repeats; and the trace's mean blocks per request."""
     path = Path(tempfile.mkdtemp(prefix="kvcr-replay-long-")) / "long.jsonl"
     write(path, LONG)
     trace = read_trace(path)
-    runs = simulate(trace, SimConfig(workers=8, dram_blocks=1000), POLICIES)
-    speed = ", ".join(f"{p} {r.summary(0)['simulated_requests_per_s']:,}" for p, r in runs.items())
+    speeds: dict[str, list[int]] = {p: [] for p in POLICIES}
+    for _ in range(repeats):
+        for p, r in simulate(trace, SimConfig(workers=8, dram_blocks=1000), POLICIES).items():
+            speeds[p].append(r.summary(0)["simulated_requests_per_s"])
+    speed = ", ".join(f"{p} {Spread.of(v).fmt(digits=0)}" for p, v in speeds.items())
     return speed, sum(len(r.blocks) for r in trace) / len(trace)
 
 
@@ -97,7 +100,8 @@ def main() -> int:
              "Each cell: fraction of prefix blocks reused / mean TTFT of the queueing model. Ratios against the "
              "ideal single cache (reuse) and KV-aware routing without pulls (TTFT), from the same run. "
              f"Simulator speed, median simulated requests/s per run: {speed}; on a synthetic trace of long requests "
-             f"({long_blocks:.1f} blocks each on average, `LONG` in the script, 8 workers of 1000 blocks): {long_speed}. "
+             f"({long_blocks:.1f} blocks each on average, `LONG` in the script, 8 workers of 1000 blocks; median (min-max) of "
+             f"3 runs): {long_speed}. "
              "The second table: the trace's first "
              f"{args.live_requests} requests through `kvcr router`, then Dynamo 1.6.1's unmodified frontend and KV "
              "router, each in front of 2 `kvcr worker`s on this machine, then `kvcr router` in front of 2 live "
