@@ -114,8 +114,7 @@ class InventoryIndex:
         local = dynamo_local_block_hashes(tokens if len(tokens) == n else tokens[:n], self.block_size,
                                           lora_name=event.lora_name, cache_namespace=namespace)
         lanes, masks, slot = self._bit(worker) * _TIER_LANES[tier], self._masks, tier + 1
-        hashes = event.block_hashes
-        externals = hashes if min(hashes) >= 0 else [h & U64_MASK for h in hashes]
+        externals = _u64(event.block_hashes)
         seqs = dynamo_sequence_hashes(local, parent_seq)
         state.by_external.update(zip(externals, seqs))
         holding, first = state.held, _FIRST_COPY[tier]
@@ -137,8 +136,7 @@ class InventoryIndex:
             return
         bit, slot, masks = self._bits.get(worker, 0), tier + 1, self._masks
         by_external, holding, drops = state.by_external, state.held, _DROP_LANES[tier]
-        hashes = event.block_hashes
-        for external in hashes if min(hashes) >= 0 else [h & U64_MASK for h in hashes]:
+        for external in _u64(event.block_hashes):
             seq = by_external.get(external)
             held = holding.get(seq)
             if held is None or not held[slot]:
@@ -148,11 +146,7 @@ class InventoryIndex:
                 continue
             # The tier's last copy went: the block leaves the classes no other tier still fills.
             _, device, host, disk = held
-            left = masks.get(seq, 0) & ~(bit * drops[(device > 0) | (host > 0) << 1 | (disk > 0) << 2])
-            if left:
-                masks[seq] = left
-            else:
-                masks.pop(seq, None)
+            _clear_bit(masks, seq, bit * drops[(device > 0) | (host > 0) << 1 | (disk > 0) << 2])
             if not (device or host or disk):
                 del holding[seq]
                 del by_external[external]
@@ -216,6 +210,11 @@ class InventoryIndex:
 
     def num_blocks(self) -> int:
         return sum(len(s.held) for s in self._workers.values())
+
+
+def _u64(hashes: tuple[int, ...]) -> tuple[int, ...] | list[int]:
+    """Published hashes as the index keys them (u64); signed ones, as some engines send, wrap."""
+    return hashes if min(hashes) >= 0 else [h & U64_MASK for h in hashes]
 
 
 def _clear_bit(masks: dict[int, int], seq: int, bits: int) -> None:
