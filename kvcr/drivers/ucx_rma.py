@@ -99,7 +99,12 @@ _NO_PARAMS = ctypes.create_string_buffer(REQUEST_PARAM_BYTES)  # op_attr_mask = 
 
 
 def progress_worker(worker: int) -> int:
-    return _lib.ucp_worker_progress(worker)
+    """One progress call. With nothing done, the CPU is given away: a same-host GET completes
+    only once the source's progress thread runs, and on a small host it may wait for our core."""
+    events = _lib.ucp_worker_progress(worker)
+    if not events:
+        os.sched_yield()
+    return events
 
 
 def _status_of(ptr: int | None) -> tuple[int, int | None]:
@@ -180,7 +185,7 @@ def get_batch(worker: int, ep: int, rkey: RemoteKey, ops: list[tuple[int, int, i
     `outstanding`, unfreed: UCX cannot cancel an RMA request, so the caller must end them (force-
     close the endpoint, then `settle`) before the buffers may be reused.
     """
-    progress = progress or (lambda: _lib.ucp_worker_progress(worker))
+    progress = progress or (lambda: progress_worker(worker))
     pending: dict[int, int] = {}
     done = [False] * len(ops)
     error = ""
@@ -257,7 +262,7 @@ def recv_batch(worker: int, ops: list[tuple[int, int, int]], source_answer, *, t
             done[i] = status == UCS_OK
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
-        _lib.ucp_worker_progress(worker)
+        progress_worker(worker)
         _collect(pending, done, "", every=False)  # the source sends in order: they end in order
         if pending and source_answer() is False:
             break
@@ -287,7 +292,7 @@ def settle(worker: int, requests: tuple[int, ...], timeout_s: float) -> bool:
     left = list(requests)
     deadline = time.monotonic() + timeout_s
     while left:
-        _lib.ucp_worker_progress(worker)
+        progress_worker(worker)
         left = [r for r in left if _finished(r) is None]
         if left and time.monotonic() >= deadline:
             return False
