@@ -80,7 +80,8 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
             proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ),
                                                                [os.urandom(page_bytes) for _ in range(pages)])
             try:
-                puller = Puller(plane, timeout_s=30, abandon_s=5)
+                # TCP stands for another host: its claims go over ZMQ, not the same-host socket
+                puller = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp")
                 dest = ctypes.create_string_buffer(page_bytes * pages)
                 slots = list(range(pages))
                 if page_bytes < (64 << 10):

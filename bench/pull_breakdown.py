@@ -17,7 +17,9 @@ is queued, has ended):
 - pull: `Puller.pull`, all of it.
 Then, back to back at 16 x 64 KiB, what one round trip costs: wall time, and the CPU time the
 source process (ZMQ's I/O thread included) and this one spend per lookup and per claim plus
-release, against a ZMQ echo and a plain TCP socket echo between the same two kinds of process.
+release, against a ZMQ echo, a plain TCP socket echo and a Unix socket echo between the same two
+kinds of process. Over shared memory the claims take the source's same-host Unix socket; the TCP
+rows stand for another host and keep ZMQ.
 With `--py-spy`, the pulling process is sampled during a loop of pulls and its busy samples are
 split by what they were doing.
 """
@@ -65,17 +67,29 @@ conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 while data := conn.recv(1 << 16):
     conn.sendall(data)
 """
+UNIX_ECHO = """
+import os, socket
+name = "kvcr-bench-echo-%d" % os.getpid()
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind("\\0" + name)  # abstract: no file to clean up
+srv.listen(1)
+print(name, flush=True)
+conn, _ = srv.accept()
+while data := conn.recv(1 << 16):
+    conn.sendall(data)
+"""
 # py-spy leaf frames, in order of precedence, and what they mean for a pull.
-AREAS = (("waiting on the control reply", ("poll.py", "socket.py")),
+AREAS = (("waiting on the control reply", ("poll.py", "socket.py", "local_control.py")),
          ("UCX transfer and its polling", ("ucx_rma.py", "ucx_plane.py", "ucxx")),
          ("message codec", ("messages.py", "msgpack")),
          ("pull state machine and planning", ("proto/pull.py",)),
          ("puller driver", ("puller.py", "peer_source.py", "client.py")))
 
 
-def start_echo(script: str = ECHO) -> tuple[subprocess.Popen, int]:
+def start_echo(script: str = ECHO) -> tuple[subprocess.Popen, str]:
+    """The echo process and where it listens: a port, or a Unix socket's path."""
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    return proc, int(proc.stdout.readline())
+    return proc, proc.stdout.readline().strip()
 
 
 def _cpu_s(pid: int) -> float:
@@ -111,16 +125,21 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
     echo = zmq.Context.instance().socket(zmq.DEALER)
     echo.connect(f"tcp://127.0.0.1:{echo_port}")
     tcp_proc, tcp_port = start_echo(TCP_ECHO)
-    tcp_echo = socket.create_connection(("127.0.0.1", tcp_port))
+    tcp_echo = socket.create_connection(("127.0.0.1", int(tcp_port)))
     tcp_echo.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    unix_proc, unix_path = start_echo(UNIX_ECHO)
+    unix_echo = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix_echo.connect("\0" + unix_path)
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="kvcr-bench-breakdown-") as tmp:
             for page_bytes, pages in CASES:
                 proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ))
                 try:
-                    puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get")
-                    checking = Puller(plane, timeout_s=30, abandon_s=5, transport="get", verify_transfer_bytes=True)
+                    local = transport != "TCP"  # TCP stands for another host: claims over ZMQ
+                    puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local)
+                    checking = Puller(plane, timeout_s=30, abandon_s=5, transport="get", verify_transfer_bytes=True,
+                                      local_control=local)
                     dest = ctypes.create_string_buffer(pages * page_bytes)
                     dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]
                     src = puller.source(control)
@@ -143,7 +162,7 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                             runs[name].append(statistics.median(values))
                     assert ctypes.string_at(dest, pages * page_bytes) == b"".join(payload), "wrong bytes"
                     shares = _sampled(spy, lambda: steps["pull"]()) if spy else {}
-                    costs = round_trip_costs(_round_trips(puller, echo, tcp_echo, frame, control, keys), proc.pid,
+                    costs = round_trip_costs(_round_trips(puller, echo, tcp_echo, unix_echo, frame, control, keys), proc.pid,
                                              20 * iterations) if page_bytes == CASES[0][0] else {}
                     rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
                                  "runs": runs, "shares": shares, "costs": costs})
@@ -155,25 +174,27 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
     finally:
         echo_proc.kill()
         tcp_proc.kill()
+        unix_proc.kill()
         plane.close()
     return rows
 
 
-def _round_trips(puller, echo, tcp_echo, frame: bytes, control: str, keys) -> dict:
+def _round_trips(puller, echo, tcp_echo, unix_echo, frame: bytes, control: str, keys) -> dict:
     def zmq_echo() -> None:
         echo.send_multipart([b"", frame])
         echo.recv_multipart()
 
-    def socket_echo() -> None:
-        tcp_echo.sendall(frame)
+    def socket_echo(sock) -> None:
+        sock.sendall(frame)
         got = 0
         while got < len(frame):
-            got += len(tcp_echo.recv(1 << 16))
+            got += len(sock.recv(1 << 16))
 
     def claim_and_release() -> None:
         puller.release(puller.confirm(control, "kv", keys))
 
-    return {"plain TCP socket echo": socket_echo, "ZMQ echo": zmq_echo,
+    return {"plain TCP socket echo": lambda: socket_echo(tcp_echo), "Unix socket echo": lambda: socket_echo(unix_echo),
+            "ZMQ echo": zmq_echo,
             "lookup": lambda: puller.lookup(control, "kv", keys), "claim + release": claim_and_release}
 
 
@@ -296,7 +317,9 @@ def main() -> int:
              f"{args.iterations} times per repeat, in turn with the others, each after a {SETTLE_S * 1e3:.0f} ms "
              "pause so that the release the phase before queued has ended (the pauses cost wake-ups: back to "
              "back, as in the anchor comparisons, a pull is faster); median (min–max) over the "
-             f"{args.repeats} repeats' medians, ms. echo: a ZMQ round trip of a claim-sized frame to a Python "
+             f"{args.repeats} repeats' medians, ms. On shared memory the puller asks over the source's "
+             "same-host Unix socket (`runner.local_control`); the TCP rows stand for another host, so they ask "
+             "over ZMQ. echo: a ZMQ round trip of a claim-sized frame to a Python "
              "echo socket in another process (the floor of a control round trip between two Python processes). "
              "lookup: kvcr's control round trip (codec and the runner's handler, no claim). confirm: the claim. "
              "confirm, digests: the claim with a digest of every page, as a secured deployment's pulls ask it "
@@ -306,7 +329,7 @@ def main() -> int:
              "column is what a pull costs over the raw GETs. The second table: back to back at 16 × 64 KiB, "
              f"{20 * args.iterations} of each, per op, the wall time and the CPU time the source process (ZMQ's I/O "
              "thread included) and this process spend; the echoes answer from Python processes of their own "
-             "(a ZMQ ROUTER, and a plain TCP socket with TCP_NODELAY).")
+             "(a ZMQ ROUTER, a plain TCP socket with TCP_NODELAY, and a Unix stream socket).")
     tables = [table(["transport", "pages", "echo", "lookup", "confirm", "confirm, digests", "deliver", "raw GET", "pull",
                      "pull − raw GET"], lines)]
     tables.append(table(["transport", "back to back, 16 × 64 KiB", "wall µs", "source CPU µs", "client CPU µs"],

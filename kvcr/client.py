@@ -10,7 +10,7 @@ import urllib.request
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import zmq
 
@@ -30,33 +30,70 @@ class ControlError(RuntimeError):
         self.code = code
 
 
+class ZmqChannel:
+    """A ZMQ DEALER to a runner's control socket (CURVE where keys are set): any host."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> None:
+        self._ctx, self._endpoint, self._curve = ctx, endpoint, curve
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, self._curve)
+        sock.connect(self._endpoint)
+        return sock
+
+    def send(self, payload: bytes) -> None:
+        # REQ-style [empty, payload]: what every runner version accepts (newer ones take one frame too)
+        self._sock.send_multipart([b"", payload])
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self._sock.poll(timeout_ms))
+
+    def recv(self) -> bytes:
+        return self._sock.recv_multipart()[-1]
+
+    def reset(self) -> None:
+        """Drop the socket (and any reply still on its way) and connect a new one."""
+        self._sock.close()
+        self._sock = self._connect()
+
+    def close(self, linger_ms: int = 0) -> None:
+        """With `linger_ms`, messages already sent still leave for that long (ZMQ drops them after)."""
+        self._sock.close(linger=linger_ms)
+
+
+class Channel(Protocol):
+    """What a ControlClient sends frames over: ZmqChannel, or LocalChannel on the source's host."""
+
+    def send(self, payload: bytes) -> None: ...
+    def poll(self, timeout_ms: int) -> bool: ...
+    def recv(self) -> bytes: ...
+    def reset(self) -> None: ...
+    def close(self, linger_ms: int = 0) -> None: ...
+
+
 class ControlClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, channel: Channel | None = None) -> None:
         """`curve`: the deployment keypair; None takes it from the environment (CurveKeys.from_env),
-        so the router and every CLI command speak CURVE where it is set."""
+        so the router and every CLI command speak CURVE where it is set. `channel`: another way to
+        the same runner (its same-host socket); by default a ZMQ socket to `endpoint`."""
         self.endpoint = endpoint
         self.curve = curve if curve is not None else CurveKeys.from_env()
         self.timeout_ms = int(timeout_s * 1000)
         self.incarnation = uuid.uuid4().hex[:16]
-        self._ctx = ctx or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._sock = self._connect()
+        self._channel = channel or ZmqChannel(ctx or zmq.Context.instance(), endpoint, self.curve)
         # With a handler, a request that timed out keeps the socket: its late reply goes to the
         # handler (a late grant must be released on the socket that owns it). Without, start afresh.
         self.on_late_reply: Callable[[m.Message], None] | None = None
         self._abandoned: set[int] = set()
 
-    def _connect(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        secure_client(sock, self.curve)
-        sock.connect(self.endpoint)
-        return sock
-
     def close(self, linger_ms: int = 0) -> None:
-        """With `linger_ms`, messages already sent still leave for that long (ZMQ drops them after)."""
-        self._sock.close(linger=linger_ms)
+        """With `linger_ms`, messages already sent still leave for that long."""
+        self._channel.close(linger_ms)
 
     def __enter__(self) -> "ControlClient":
         return self
@@ -71,8 +108,7 @@ class ControlClient:
             if self.on_late_reply is not None:
                 self._abandoned.add(request_id)
             else:  # nobody would act on a late reply: drop it with the socket
-                self._sock.close()
-                self._sock = self._connect()
+                self._channel.reset()
             raise TimeoutError(f"no reply from {self.endpoint} within {timeout_ms} ms")
         return reply
 
@@ -94,17 +130,16 @@ class ControlClient:
     def send(self, msg: m.Message) -> int:
         """Send a request without waiting; returns its id for poll_reply."""
         request_id = next(self._ids)
-        # REQ-style [empty, payload]: what every runner version accepts (newer ones take one frame too)
-        self._sock.send_multipart([b"", m.encode(replace(msg, request_id=request_id, incarnation=self.incarnation))])
+        self._channel.send(m.encode(replace(msg, request_id=request_id, incarnation=self.incarnation)))
         return request_id
 
     def poll_reply(self, request_id: int, timeout_ms: int = 0) -> m.Message | None:
         """The reply to `request_id` if it arrives within `timeout_ms` (raises ControlError on a refusal)."""
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            if not self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if not self._channel.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return None
-            reply = m.decode(self._sock.recv_multipart()[-1])
+            reply = m.decode(self._channel.recv())
             if reply.request_id == request_id:
                 if isinstance(reply, m.Error):
                     raise ControlError(reply.code, reply.message)
@@ -120,9 +155,7 @@ class ControlClient:
 
     def snapshot(self) -> tuple[int, list[Event]]:
         """(seq, events): the inventory as of batch `seq`; continue the live stream after it."""
-        request_id = next(self._ids)
-        self._sock.send_multipart([b"", m.encode(m.SnapshotRequest(request_id=request_id,
-                                                                  incarnation=self.incarnation))])
+        request_id = self.send(m.SnapshotRequest())
         events: list[Event] = []
         while True:
             part = self._recv(request_id)

@@ -184,6 +184,7 @@ class RunnerConfig:
     transfer: str = "get"          # "get" (UCX RMA), "tag" (two-sided fallback), "shm" or "auto" (same host)
     pull_lanes: int = 1            # GET workers/threads a large pull is split over
     copy_threads: int = 0          # same-host copies: threads a large pull is split over (0: one per core, <= 4)
+    local_control: bool = True     # serve, and ask, same-host peers over a Unix socket (mode 0600) too
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
     curve_public_key: str = ""

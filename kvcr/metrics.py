@@ -76,6 +76,12 @@ class RunnerCollector:
         yield CounterMetricFamily("kvcr_control_requests", "Control requests received", value=ctl.num_requests)
         yield CounterMetricFamily("kvcr_control_rejected", "Control requests refused with an error",
                                   value=ctl.num_rejected)
+        yield CounterMetricFamily("kvcr_control_local_requests",
+                                  "Control requests received over the same-host Unix socket (of all received)",
+                                  value=ctl.num_local_requests)
+        yield CounterMetricFamily("kvcr_control_local_refused",
+                                  "Same-host control connections refused: another user's process",
+                                  value=ctl.num_local_refused)
 
 
     @staticmethod

@@ -12,6 +12,7 @@ import zmq
 from . import __version__
 from .config import Config
 from .drivers.http import HttpServer
+from .drivers.local_control import socket_path
 from .drivers.zmq_control import ControlServer
 from .drivers.zmq_curve import CurveGate
 from .drivers.zmq_events import EventPublisher, SeqSource
@@ -50,7 +51,8 @@ class Service:
         self.pulls = PeerPulls(self.runner, puller)
         self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane,
                                      endpoint=cfg.runner.control_endpoint, info=self.info,
-                                     snapshot=self.snapshot, gate=self.gate)
+                                     snapshot=self.snapshot, gate=self.gate,
+                                     local_path=socket_path(self.runner.region.path) if cfg.runner.local_control else "")
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
@@ -68,7 +70,7 @@ class Service:
                       reach=Reachability(r.unreachable_backoff_s),
                       trusted=None if "*" in r.peers else frozenset(r.peers), curve=self.cfg.curve(),
                       verify_transfer_bytes=self.cfg.page_digests, transport=r.transfer,
-                      copy_threads=r.copy_threads, page_bytes={n: lay.page_bytes for n, lay in layouts.items()})
+                      copy_threads=r.copy_threads, local_control=r.local_control, page_bytes={n: lay.page_bytes for n, lay in layouts.items()})
 
     def _housekeeping(self) -> None:
         while not self.stopped.wait(0.05):
@@ -119,7 +121,8 @@ class Service:
                 "heartbeat_s": self.cfg.events.heartbeat_s, "events_curve": self.cfg.events_curve,
                 "endpoints": {"events": self.publisher.bound_endpoint,
                               "replay": self.publisher.bound_replay_endpoint,
-                              "control": self.control.bound_endpoint, "http": self.http.url},
+                              "control": self.control.bound_endpoint, "http": self.http.url,
+                              "local_control": self.control.local_path},
                 "relays_engine": self.relay is not None,
                 "ucx": self._ucx_info(),
                 "topic": self.cfg.events.topic, **self.runner.info()}

@@ -1,7 +1,10 @@
 """Peer pulls between real runner processes: ZMQ claims, UCX one-sided GETs, releases on every path."""
 
 import ctypes
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -486,3 +489,115 @@ def test_an_unreachable_source_is_asked_once_then_skipped(runner_factory, reques
         assert pull(bi, dead, keys) == 0
     assert metric_value(bi, "kvcr_peer_unreachable_total") == 1
     assert metric_value(bi, "kvcr_peer_skipped_unreachable_total") == requests - 1
+
+
+# --- the same-host control socket ----------------------------------------------------------------
+
+@pytest.mark.parametrize("local_control", [True, False])
+def test_a_same_host_source_is_asked_over_its_unix_socket_unless_that_is_turned_off(runner_factory, puller,
+                                                                                     local_control):
+    a, ai = source(runner_factory)
+    keys, _, data = store(ai, 8, seed=30)
+    puller.local_control, puller.transport = local_control, "shm"
+    before = metric_value(ai, "kvcr_control_local_requests_total")
+    raw, dests = buffers(8)
+    for _ in range(3):
+        assert puller.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 8
+    assert raw.raw[:8 * PAGE] == b"".join(data)
+    no_claims_left(ai)  # the releases came on the connection that holds the claims
+    local = metric_value(ai, "kvcr_control_local_requests_total") - before
+    assert local >= 6 if local_control else local == 0  # 3 claims and 3 releases
+
+
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "little") + payload
+
+
+def _local_socket(info):
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(info["endpoints"]["local_control"])
+    return sock
+
+
+def test_a_bad_frame_on_the_unix_socket_is_answered_or_drops_that_connection_only(runner_factory, puller):
+    a, ai = source(runner_factory)
+    keys, _, data = store(ai, 4, seed=31)
+    garbage = _local_socket(ai)
+    garbage.sendall(_frame(b"\xc1 not msgpack"))
+    reply = m.decode(garbage.recv(1 << 16)[4:])
+    assert isinstance(reply, m.Error) and "not msgpack" in reply.message
+    oversized = _local_socket(ai)
+    oversized.sendall((1 << 31).to_bytes(4, "little"))
+    assert oversized.recv(16) == b""  # closed: no message is that long
+    puller.transport = "shm"
+    raw, dests = buffers(4)
+    assert puller.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 4
+    assert raw.raw[:4 * PAGE] == b"".join(data)
+    garbage.close()
+    oversized.close()
+
+
+NOBODY = 65534
+
+_AS_ANOTHER_USER = """
+import os, socket, sys
+os.setgid({uid}); os.setuid({uid})
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(5)
+try:
+    sock.connect(sys.argv[1])
+except PermissionError:
+    print("refused by the file mode"); sys.exit(0)
+try:
+    sock.sendall(sys.stdin.buffer.read())
+    print("closed" if sock.recv(1 << 16) == b"" else "answered")
+except (ConnectionResetError, BrokenPipeError):  # closed before, or with, our request unread
+    print("closed")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_another_users_process_gets_nothing_from_the_unix_socket(runner_factory):
+    a, ai = source(runner_factory)
+    path = ai["endpoints"]["local_control"]
+    lookup = _frame(m.encode(m.Lookup(pool="kv", keys=["00" * 32])))
+    script = _AS_ANOTHER_USER.format(uid=NOBODY)
+
+    def as_nobody() -> str:
+        out = subprocess.run([sys.executable, "-c", script, path], input=lookup, capture_output=True, timeout=30)
+        assert out.returncode == 0, out.stderr.decode()
+        return out.stdout.decode().strip()
+    assert as_nobody() == "refused by the file mode"
+    os.chmod(path, 0o666)  # past the file mode, its credentials are checked as it is accepted
+    assert as_nobody() == "closed"
+    assert metric_value(ai, "kvcr_control_local_refused_total") == 1
+
+
+def test_a_source_killed_after_its_unix_socket_served_us_costs_one_miss_not_a_wedge(runner_factory, puller):
+    from kvcr.drivers.puller import Puller
+    from kvcr.proto.reach import Reachability
+
+    a, ai = source(runner_factory)
+    keys, _, _ = store(ai, 4, seed=32)
+    quick = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, transport="shm", reach=Reachability(0.1))
+    try:
+        raw, dests = buffers(4)
+        assert quick.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 4
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        assert quick.confirm(ai["endpoints"]["control"], "kv", keys) is None
+        assert quick.reach.num_failures == 1
+        # A restart on the same endpoint, with another socket: asked afresh once the backoff is over.
+        b = runner_factory("a2", **{"dram.pools": POOLS, "runner.control_endpoint": ai["endpoints"]["control"]})
+        bi = b.start()
+        wait_registered(bi)
+        keys2, _, data2 = store(bi, 4, seed=33)
+        assert quick.pull(bi["endpoints"]["control"], "kv", keys2, dests).delivered == 4
+        assert raw.raw[:4 * PAGE] == b"".join(data2)
+        assert bi["endpoints"]["local_control"] != ai["endpoints"]["local_control"]
+        no_claims_left(bi)
+    finally:
+        quick.close()

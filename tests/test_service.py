@@ -1,8 +1,10 @@
 """A real `kvcr serve` process: discovery, self-check, events with replay and snapshot, shutdown, restart."""
 
 import json
+import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import urllib.request
@@ -48,7 +50,9 @@ def test_info_is_served_on_the_control_socket_and_over_http(runner_factory):
     assert over_http == info  # the info file, as HTTP: without what addresses the region
     assert {k: v for k, v in over_zmq.items() if k != "ucx"} == {k: v for k, v in info.items() if k != "ucx"}
     assert {"address", "region_base", "rkeys"} <= set(over_zmq["ucx"])
-    assert set(info["endpoints"]) == {"events", "replay", "control", "http"}
+    assert set(info["endpoints"]) == {"events", "replay", "control", "http", "local_control"}
+    assert info["endpoints"]["local_control"] == info["shm_path"] + ".sock"  # same-host peers only
+    assert stat.S_IMODE(os.stat(info["endpoints"]["local_control"]).st_mode) == 0o600
     assert info["block_size"] == BLOCK and len(info["incarnation"]) == 16
     assert info["pools"][0]["namespace"]["model"] == "default"
     out = subprocess.run([sys.executable, "-m", "kvcr.cli", "info", info["endpoints"]["control"]], cwd=ROOT,

@@ -6,6 +6,7 @@ I/O only: what to send and when is decided by the pull (`kvcr/proto/pull.py`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -14,10 +15,12 @@ from typing import Iterator
 import zmq
 
 from ..client import ControlClient
+from .local_control import LocalChannel
 from ..proto import messages as m
 from ..proto.pull import PeerError, SourceTerms
 from .shm import Region, RegionError, host_id
 
+log = logging.getLogger(__name__)
 RELEASE_LINGER_MS = 200  # a forgotten source's socket still delivers the releases just sent
 
 
@@ -31,6 +34,7 @@ class PeerSource:
     rkeys: dict[int, bytes]
     shm_path: str = ""
     host_id: str = ""
+    local_control: str = ""  # its same-host control socket, if it has one
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time on its socket
     region: Region | None = None  # its pool, mapped read-only, for same-host copies
     closed: bool = False          # forgotten: confirmations still holding it must not use it
@@ -49,7 +53,22 @@ class PeerSource:
                             tuple((off, length) for off, length, _ in ucx["rkeys"]), "move" in info["capabilities"])
         return cls(endpoint, client, terms, bytes.fromhex(ucx["address"]), ucx["region_base"],
                    {off: bytes.fromhex(k) for off, _, k in ucx["rkeys"]},
-                   info.get("shm_path", ""), info.get("host_id", ""))
+                   info.get("shm_path", ""), info.get("host_id", ""),
+                   info.get("endpoints", {}).get("local_control", ""))
+
+    def go_local(self, timeout_s: float) -> None:
+        """On its host, ask it over its Unix socket from now on: no ZMQ I/O threads in a claim's
+        round trip. Only before the first claim (a claim belongs to the connection it came on)."""
+        if not self.local_control or not self.on_same_host():
+            return
+        try:
+            channel = LocalChannel(self.local_control, timeout_s)
+        except OSError as exc:
+            log.info("%s: its same-host socket %s refused us (%s): asking over %s", self.endpoint,
+                     self.local_control, exc, self.endpoint)
+            return
+        self.client.close()
+        self.client = ControlClient(self.endpoint, timeout_s=timeout_s, channel=channel)
 
     @property
     def incarnation(self) -> str:
@@ -70,7 +89,7 @@ class PeerSource:
     def flush_releases(self) -> None:
         """Send queued releases (call with `lock` held). A failed send is left to the lease."""
         while self.releases and not self.closed:
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, OSError):
                 self.client.send(self.releases.pop(0))
 
     def on_same_host(self) -> bool:

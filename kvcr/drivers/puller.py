@@ -93,6 +93,7 @@ class Puller:
     # source's pool mapped read-only (same host only); "auto": "shm" on the same host, else "get".
     transport: str = "get"
     copy_threads: int = 0  # same-host copies: threads a large pull is split over (0: one per core, up to 4)
+    local_control: bool = True  # a source on this host is asked over its Unix socket, not ZMQ
     num_digest_mismatches: int = 0
     num_refused_untrusted: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
@@ -126,7 +127,9 @@ class Puller:
         except BaseException:
             client.close()
             raise
-        client.on_late_reply = functools.partial(self._late_reply, src)
+        if self.local_control:
+            src.go_local(self.control_timeout_s)
+        src.client.on_late_reply = functools.partial(self._late_reply, src)
         return src
 
     @staticmethod
@@ -183,6 +186,10 @@ class Puller:
                 self.reach.answered(endpoint)
                 actions = pull.claim_refused("bad_reply", f"unreadable claim reply: {exc}")
             except TimeoutError:
+                actions = pull.claim_timed_out(time.monotonic())
+            except ConnectionError as exc:  # its same-host socket closed: it died, or dropped us
+                log.info("claim at %s: %s", endpoint, exc)
+                self._forget_source(src)
                 actions = pull.claim_timed_out(time.monotonic())
             else:
                 self.reach.answered(endpoint)
@@ -295,7 +302,7 @@ class Puller:
             with src.socket() as client:
                 reply = client.request(request, timeout_s=min(RELEASE_TIMEOUT_S, self.timeout_s))
             return tuple(reply.live)
-        except (ControlError, TimeoutError, m.ProtocolError) as exc:
+        except (ControlError, OSError, m.ProtocolError) as exc:  # OSError: timed out, or the connection broke
             log.info("release at %s failed (the lease will end it): %s", src.endpoint, exc)
             return ()
 
@@ -318,7 +325,8 @@ class Puller:
             with src.lock:
                 if src.closed:
                     return
-                with contextlib.suppress(zmq.ZMQError, m.ProtocolError):  # one bad reply must not end the poll
+                # one bad reply (or a broken same-host connection) must not end the poll
+                with contextlib.suppress(zmq.ZMQError, OSError, m.ProtocolError):
                     src.client.drain_late()
                 src.flush_releases()
                 pending = src.client.num_abandoned

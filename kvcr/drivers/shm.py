@@ -100,9 +100,10 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
 
 
 # Runs detached (double fork: out of the owner's process tree, which engines kill whole): waits
-# for the owner to exit, however it exits, and unlinks its region if it is still there.
+# for the owner to exit, however it exits, and unlinks its region if it is still there, with its
+# companions (`<region>.<suffix>`: the same-host control socket).
 _REAPER = """
-import os, select, sys, time
+import glob, os, select, sys, time
 if os.fork():
     os._exit(0)
 os.setsid()
@@ -119,10 +120,11 @@ while os.path.exists(path):  # closed normally: the owner unlinked it, nothing t
         break
     else:
         time.sleep(0.5)
-try:
-    os.unlink(path)
-except FileNotFoundError:
-    pass
+for name in [path, *glob.glob(glob.escape(path) + ".*")]:  # the region, then its companions
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
 """
 
 

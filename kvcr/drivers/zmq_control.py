@@ -23,6 +23,7 @@ from ..proto.control import Lane, lane_for
 from ..proto.keys import StorageKey
 from ..proto.pool import Page, PoolError
 from ..proto.pull import NoPuller, PeerError
+from .local_control import LocalConnection, LocalListener, PeerClosed
 from .wakeup import Waker
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .ucx_plane import UcxPlane
 
 log = logging.getLogger(__name__)
+Reply = Callable[[bytes], None]  # sends one encoded reply to whoever asked
 SNAPSHOT_CHUNK = 4096
 
 MAX_PID = 1 << 22  # Linux pid_max ceiling
@@ -53,8 +55,10 @@ def _check_lease(lease_s: float) -> None:
 class ControlServer:
     def __init__(self, ctx: zmq.Context, runner: Runner, pulls: PeerPulls, plane: UcxPlane | None, *, endpoint: str,
                  info: Callable[[], dict], snapshot: Callable[[], tuple[int, list]],
-                 gate: CurveGate | None = None) -> None:
+                 gate: CurveGate | None = None, local_path: str = "") -> None:
         self._gate = gate
+        self._local_path = local_path
+        self.local_path = ""  # where same-host peers connect, once listening ("" when not)
         self._ctx = ctx
         self.runner = runner
         self.pulls = pulls
@@ -65,6 +69,8 @@ class ControlServer:
         self.bound_endpoint = ""
         self.num_requests = 0
         self.num_rejected = 0
+        self.num_local_requests = 0  # of num_requests, over the same-host socket
+        self._listener: LocalListener | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -74,7 +80,7 @@ class ControlServer:
         self._slow = ThreadPoolExecutor(4, thread_name_prefix="kvcr-control-slow")
         # Serving a peer never waits behind our own pulls (two runners pulling from each other).
         self._serving = ThreadPoolExecutor(4, thread_name_prefix="kvcr-control-serve")
-        self._done: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Reply, bytes]] = queue.SimpleQueue()
         self._wake = Waker()  # a deferred reply goes out at once, not at the poll's next timeout
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
@@ -87,6 +93,10 @@ class ControlServer:
         self._thread.start()
         if not self._ready.wait(timeout) or self._error is not None:
             raise RuntimeError(f"control socket failed to start: {self._error}")
+
+    @property
+    def num_local_refused(self) -> int:
+        return self._listener.num_refused if self._listener is not None else 0
 
     def health(self) -> str:
         if self._error is not None:
@@ -115,10 +125,14 @@ class ControlServer:
             self._error = exc
             self._ready.set()
             return
+        listener = self._listen_locally()
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
+        local: dict[int, LocalConnection] = {}
+        if listener is not None:
+            poller.register(listener.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(1000))
@@ -126,28 +140,84 @@ class ControlServer:
                     self._serve_one(sock)
                 if self._wake.fd in ready:  # cleared only when set: no syscall per plain request
                     self._wake.clear()
+                for fd in ready.keys() & local.keys():
+                    if not self._serve_local(local[fd]):
+                        poller.unregister(fd)
+                        local.pop(fd).close()
+                if listener is not None and listener.fileno() in ready:
+                    self._accept(listener, poller, local)
                 while not self._done.empty():
-                    sock.send_multipart(self._done.get())
+                    reply, payload = self._done.get()
+                    reply(payload)
         except BaseException as exc:  # reported by health()
             self._error = exc
             log.exception("control socket stopped")
         finally:
             sock.close()
+            for conn in local.values():
+                conn.close()
+            if listener is not None:
+                listener.close()
+
+    def _listen_locally(self) -> LocalListener | None:
+        """The same-host socket is a shortcut: without it, peers on this host use the control socket."""
+        if not self._local_path:
+            return None
+        try:
+            listener = LocalListener(self._local_path)
+        except OSError as exc:
+            log.warning("no same-host control socket at %s (peers here use %s): %s", self._local_path,
+                        self.bound_endpoint, exc)
+            return None
+        self.local_path = listener.path
+        self._listener = listener
+        return listener
+
+    @staticmethod
+    def _accept(listener: LocalListener, poller: zmq.Poller, local: dict[int, LocalConnection]) -> None:
+        conn = listener.accept()
+        if conn is not None:
+            local[conn.fileno()] = conn
+            poller.register(conn.fileno(), zmq.POLLIN)
+
+    def _serve_local(self, conn: LocalConnection) -> bool:
+        """One frame from a same-host peer; False once the connection is over (closed, broken,
+        stalled mid-frame, or a frame length no message has)."""
+        try:
+            payload = conn.recv()
+        except PeerClosed:
+            return False
+        except (OSError, m.ProtocolError) as exc:
+            log.info("local control peer %s dropped: %s", conn.owner, exc)
+            return False
+        self.num_local_requests += 1
+        self._serve(payload, conn.owner, conn.reply)
+        return not conn.closed
 
     def _serve_one(self, sock: zmq.Socket) -> None:
         frames = sock.recv_multipart()
-        ident, payload = frames[0], frames[-1]
+        ident = frames[0]
         route = [ident] if len(frames) == 2 else [ident, b""]  # a REQ-style client gets its delimiter back
+
+        def reply(payload: bytes) -> None:
+            sock.send_multipart([*route, payload])
+        if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1] != b""):
+            self.num_requests += 1
+            reply(self._encoded(0, self._error_reply(
+                m.ProtocolError(f"expected [payload] or [empty, payload] frames, got {len(frames) - 1}"))))
+            return
+        self._serve(frames[-1], _owner(ident), reply)
+
+    def _serve(self, payload: bytes, owner: str, reply: Reply) -> None:
+        """Decode, answer now or on a worker thread (`reply` then runs on this loop's thread)."""
         self.num_requests += 1
         request_id = 0
         try:
-            if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1] != b""):
-                raise m.ProtocolError(f"expected [payload] or [empty, payload] frames, got {len(frames) - 1}")
             msg = m.decode(payload)
             request_id = msg.request_id
             if isinstance(msg, m.SnapshotRequest):
                 for part in self._snapshot_parts(msg):
-                    sock.send_multipart([*route, m.encode(part)])
+                    reply(m.encode(part))
                 return
             handler = self._handlers.get(type(msg))
             if handler is None:
@@ -155,26 +225,25 @@ class ControlServer:
             lane = lane_for(msg, self.runner.nvme.disks)
             if lane is not Lane.INLINE:
                 pool = self._slow if lane is Lane.SLOW else self._serving
-                pool.submit(self._answer_later, route, request_id, handler, msg)
+                pool.submit(self._answer_later, reply, owner, request_id, handler, msg)
                 return
-            reply = handler(msg, _owner(ident))
+            answer = handler(msg, owner)
         except Exception as exc:
-            reply = self._error_reply(exc)
-        sock.send_multipart(self._frames(route, request_id, reply))
+            answer = self._error_reply(exc)
+        reply(self._encoded(request_id, answer))
 
-    def _answer_later(self, route: list[bytes], request_id: int, handler, msg: m.Message) -> None:
+    def _answer_later(self, reply: Reply, owner: str, request_id: int, handler, msg: m.Message) -> None:
         try:
-            reply = handler(msg, _owner(route[0]))
+            answer = handler(msg, owner)
         except Exception as exc:
-            reply = self._error_reply(exc)
-        self._done.put(self._frames(route, request_id, reply))
+            answer = self._error_reply(exc)
+        self._done.put((reply, self._encoded(request_id, answer)))
         self._wake.wake()
 
-    def _frames(self, route: list[bytes], request_id: int, reply: m.Message) -> list[bytes]:
+    def _encoded(self, request_id: int, reply: m.Message) -> bytes:
         if isinstance(reply, m.Error):
             self.num_rejected += 1
-        reply = replace(reply, request_id=request_id, incarnation=self.runner.incarnation)
-        return [*route, m.encode(reply)]
+        return m.encode(replace(reply, request_id=request_id, incarnation=self.runner.incarnation))
 
     @staticmethod
     def _error_reply(exc: Exception) -> m.Error:

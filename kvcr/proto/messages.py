@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, get_args, get_origin, get_type_hints
+from typing import Any, Callable, ClassVar, get_args, get_origin, get_type_hints
 
 import msgpack
 
@@ -306,50 +306,91 @@ _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
            str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool),
            list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}
+# The exact types a list of each scalar may hold: one set() over a long list instead of a call per item.
+_ITEM_TYPES = {int: frozenset({int}), float: frozenset({int, float}), str: frozenset({str}),
+               bool: frozenset({bool}), list: frozenset({list}), dict: frozenset({dict})}
 
 
 class _Mismatch(Exception):
     pass
 
 
-def _conform(tp: Any, value: Any) -> Any:
-    """`value` as `tp` (a scalar, list[...] or a fixed tuple[...], sent as a list); _Mismatch says why not."""
+@functools.lru_cache(maxsize=None)
+def _checker(tp: Any) -> Callable[[Any], Any]:
+    """A function taking a decoded value to `tp` (a scalar, list[...] or a fixed tuple[...], sent
+    as a list), raising _Mismatch to say why not; built once per type, not per message."""
     origin = get_origin(tp)
     if origin is list:
-        (item,) = get_args(tp)
+        return _list_checker(*get_args(tp))
+    if origin is tuple:
+        return _tuple_checker(tuple(_checker(t) for t in get_args(tp)))
+    check = _CHECKS[tp]
+
+    def scalar(value: Any) -> Any:
+        if not check(value):
+            raise _Mismatch(f"got {type(value).__name__}")
+        return value
+    return scalar
+
+
+def _list_checker(item: Any) -> Callable[[Any], Any]:
+    if item not in _CHECKS:
+        conform = _checker(item)
+
+        def nested(value: Any) -> Any:
+            if not isinstance(value, list):
+                raise _Mismatch(f"got {type(value).__name__}")
+            try:
+                return [conform(v) for v in value]
+            except _Mismatch as exc:
+                raise _Mismatch(f"an item: {exc}") from None
+        return nested
+    allowed, check = _ITEM_TYPES[item], _CHECKS[item]
+
+    def scalars(value: Any) -> Any:  # the common case, checked without rebuilding the list
         if not isinstance(value, list):
             raise _Mismatch(f"got {type(value).__name__}")
-        if item in _CHECKS:  # the common case, checked without rebuilding the list
-            bad = next((i for i, v in enumerate(value) if not _CHECKS[item](v)), None)
+        if not allowed.issuperset(map(type, value)):  # subclasses (bool for int) take the slow path
+            bad = next((i for i, v in enumerate(value) if not check(v)), None)
             if bad is not None:
                 raise _Mismatch(f"item {bad} is {type(value[bad]).__name__}")
-            return value
-        try:
-            return [_conform(item, v) for v in value]
-        except _Mismatch as exc:
-            raise _Mismatch(f"an item: {exc}") from None
-    if origin is tuple:
-        items = get_args(tp)
+        return value
+    return scalars
+
+
+def _tuple_checker(items: tuple[Callable[[Any], Any], ...]) -> Callable[[Any], Any]:
+    def fixed(value: Any) -> Any:
         if not (isinstance(value, list) and len(value) == len(items)):
             raise _Mismatch(f"got {value!r}")
-        return tuple(_conform(t, v) for t, v in zip(items, value))
-    if not _CHECKS[tp](value):
-        raise _Mismatch(f"got {type(value).__name__}")
-    return value
-
-
-def _check_field(cls: type, name: str, tp: Any, value: Any) -> Any:
-    try:
-        return _conform(tp, value)
-    except _Mismatch as exc:
-        shown = "[major, minor]" if name == "version" else tp.__name__ if isinstance(tp, type) else str(tp)
-        raise ProtocolError(f"{cls.TYPE}.{name} must be {shown}, {exc}") from None
+        return tuple(conform(v) for conform, v in zip(items, value))
+    return fixed
 
 
 @functools.lru_cache(maxsize=None)
-def _schema(cls: type) -> tuple[dict, dict]:
-    # Resolving string annotations compiles code: once per message type, not per message.
-    return get_type_hints(cls), {f.name: f for f in fields(cls)}
+def _schema(cls: type) -> tuple[dict[str, Callable[[Any], Any]], tuple[str, ...]]:
+    """Per message type, once: each field's checker, and the fields a message must carry.
+    (Resolving string annotations compiles code.)"""
+    hints = get_type_hints(cls)
+    required = tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+    return {f.name: _checker(hints[f.name]) for f in fields(cls)}, required
+
+
+def _checked(cls: type, raw: dict) -> dict:
+    """The fields of `cls` in `raw`, each checked; unknown fields come from a newer minor version
+    and are ignored on purpose."""
+    checkers = _schema(cls)[0]
+    values = {}
+    name = ""
+    try:
+        for name, value in raw.items():
+            check = checkers.get(name)
+            if check is not None:
+                values[name] = check(value)
+    except _Mismatch as exc:
+        tp = get_type_hints(cls)[name]
+        shown = "[major, minor]" if name == "version" else tp.__name__ if isinstance(tp, type) else str(tp)
+        raise ProtocolError(f"{cls.TYPE}.{name} must be {shown}, {exc}") from None
+    return values
 
 
 def decode(payload: bytes) -> Message:
@@ -364,14 +405,8 @@ def decode(payload: bytes) -> Message:
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown or missing message type", code="unknown_type")
-    hints, known = _schema(cls)
-    values = {}
-    for name, value in raw.items():
-        if name in known:
-            values[name] = _check_field(cls, name, hints[name], value)
-        # unknown fields come from a newer minor version: ignored on purpose
-    missing = [n for n, f in known.items() if n not in values and f.default is MISSING
-               and f.default_factory is MISSING]
+    values = _checked(cls, raw)
+    missing = [n for n in _schema(cls)[1] if n not in values]
     if missing:
         raise ProtocolError(f"{cls.TYPE} lacks {missing}")
     msg = cls(**values)
