@@ -19,10 +19,18 @@ SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors=
 SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-client jsonschema xgrammar==0.2.9 \
 	soundfile
 
-.PHONY: demo test setup sglang-setup dynamo-setup system-deps dynamo-system-deps bench bench-deps fuzz clean
+.PHONY: demo test setup sglang-setup dynamo-setup native-deps system-deps dynamo-system-deps bench bench-deps fuzz clean
+
+# kvcr's C token hash (setup.py) includes xxhash's header; where it cannot be installed the
+# hashes stay in Python, so this step never fails the build.
+native-deps:
+	@test -e /usr/include/xxhash.h || { \
+		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq libxxhash-dev; } \
+		|| echo "libxxhash-dev not installed: kvcr hashes tokens in Python"
 
 # torch is named in the same install so pip keeps the CPU build instead of resolving another one.
-$(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c
+$(VENV)/.installed: pyproject.toml setup.py kvcr/_fastcopy.c kvcr/_tokenhash.c router_hints/_inventory.c | native-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -e '.[test,demo]' '$(TORCH)'
 	touch $@
@@ -58,7 +66,7 @@ dynamo-system-deps:
 		sudo=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
 		$$sudo apt-get update -qq && $$sudo apt-get install -y -qq etcd-server; }
 
-$(DYNAMO_VENV)/.installed: pyproject.toml setup.py | dynamo-system-deps
+$(DYNAMO_VENV)/.installed: pyproject.toml setup.py | dynamo-system-deps native-deps
 	$(PYTHON) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_PIP) download --no-deps 'ai-dynamo==1.6.1' -d $(DYNAMO_VENV)/wheels
 	$(DYNAMO_PIP) install --no-deps $(DYNAMO_VENV)/wheels/ai_dynamo-1.6.1-*.whl

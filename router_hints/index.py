@@ -17,7 +17,7 @@ from operator import and_, neg
 
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.keys import U64_MASK
-from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
+from kvcr.proto.tokenhash import dynamo_block_sequence_hashes
 
 _DEVICE, _HOST, _DISK = range(3)
 _MEDIUM_TIER = {None: _DEVICE, "GPU": _DEVICE, "DEVICE": _DEVICE,
@@ -111,45 +111,19 @@ class InventoryIndex:
                 return
         tokens, n = event.token_ids, self.block_size * len(event.block_hashes)
         namespace = event.cache_salt or (_vllm_salt(event) if event.extra else None)
-        local = dynamo_local_block_hashes(tokens if len(tokens) == n else tokens[:n], self.block_size,
-                                          lora_name=event.lora_name, cache_namespace=namespace)
-        lanes, masks, slot = self._bit(worker) * _TIER_LANES[tier], self._masks, tier + 1
+        seqs = dynamo_block_sequence_hashes(tokens if len(tokens) == n else tokens[:n], self.block_size,
+                                            lora_name=event.lora_name, cache_namespace=namespace, parent=parent_seq)
         externals = _u64(event.block_hashes)
-        seqs = dynamo_sequence_hashes(local, parent_seq)
         state.by_external.update(zip(externals, seqs))
-        holding, first = state.held, _FIRST_COPY[tier]
-        for external, seq in zip(externals, seqs):
-            held = holding.get(seq)
-            if held is None:
-                holding[seq] = [external, *first]
-            elif held[slot]:
-                held[slot] += 1
-                continue
-            else:
-                held[slot] = 1
-            masks[seq] = masks.get(seq, 0) | lanes  # the tier's first copy: the block joins its classes
+        _count_stored(state.held, self._masks, externals, seqs, tier + 1, self._bit(worker) * _TIER_LANES[tier])
 
     def _removed(self, worker: Worker, state: _WorkerState, event: BlockRemoved) -> None:
         tier = _MEDIUM_TIER.get(event.medium)
         if tier is None:
             self.num_ignored += 1
             return
-        bit, slot, masks = self._bits.get(worker, 0), tier + 1, self._masks
-        by_external, holding, drops = state.by_external, state.held, _DROP_LANES[tier]
-        for external in _u64(event.block_hashes):
-            seq = by_external.get(external)
-            held = holding.get(seq)
-            if held is None or not held[slot]:
-                continue
-            held[slot] -= 1
-            if held[slot]:
-                continue
-            # The tier's last copy went: the block leaves the classes no other tier still fills.
-            _, device, host, disk = held
-            _clear_bit(masks, seq, bit * drops[(device > 0) | (host > 0) << 1 | (disk > 0) << 2])
-            if not (device or host or disk):
-                del holding[seq]
-                del by_external[external]
+        _count_removed(state.by_external, state.held, self._masks, _u64(event.block_hashes), tier + 1,
+                       self._bits.get(worker, 0), _DROP_LANES[tier])
 
     def clear(self, worker: Worker) -> None:
         """AllBlocksCleared: every tier of this (worker, DP rank) is empty."""
@@ -178,8 +152,7 @@ class InventoryIndex:
 
     def sequence_hashes(self, tokens: list[int], *, lora_name: str | None = None,
                         cache_salt: str | None = None) -> list[int]:
-        local = dynamo_local_block_hashes(tokens, self.block_size, lora_name=lora_name, cache_namespace=cache_salt)
-        return dynamo_sequence_hashes(local)
+        return dynamo_block_sequence_hashes(tokens, self.block_size, lora_name=lora_name, cache_namespace=cache_salt)
 
     def overlaps(self, seq_hashes: list[int]) -> dict[Worker, Overlap]:
         """Per worker holding the first block: its device / host / disk continuation depths."""
@@ -215,6 +188,48 @@ class InventoryIndex:
 def _u64(hashes: tuple[int, ...]) -> tuple[int, ...] | list[int]:
     """Published hashes as the index keys them (u64); signed ones, as some engines send, wrap."""
     return hashes if min(hashes) >= 0 else [h & U64_MASK for h in hashes]
+
+
+def _count_stored_py(holding: dict[int, list[int]], masks: dict[int, int], externals, seqs, slot: int,
+                     lanes: int) -> None:
+    """Count a stored run's blocks in the tier at `slot` (1..3 of a held entry); a tier's first
+    copy of a block sets the worker's lanes of its classes."""
+    for external, seq in zip(externals, seqs):
+        held = holding.get(seq)
+        if held is None:
+            holding[seq] = [external, *_FIRST_COPY[slot - 1]]
+        elif held[slot]:
+            held[slot] += 1
+            continue
+        else:
+            held[slot] = 1
+        masks[seq] = masks.get(seq, 0) | lanes
+
+
+def _count_removed_py(by_external: dict[int, int], holding: dict[int, list[int]], masks: dict[int, int], externals,
+                      slot: int, bit: int, drops: tuple[int, ...]) -> None:
+    """Uncount removed blocks in the tier at `slot`; a tier's last copy clears the classes no
+    other tier still fills, and a block no tier holds is forgotten."""
+    for external in externals:
+        seq = by_external.get(external)
+        held = holding.get(seq)
+        if held is None or not held[slot]:
+            continue
+        held[slot] -= 1
+        if held[slot]:
+            continue
+        _, device, host, disk = held
+        _clear_bit(masks, seq, bit * drops[(device > 0) | (host > 0) << 1 | (disk > 0) << 2])
+        if not (device or host or disk):
+            del holding[seq]
+            del by_external[external]
+
+
+# The same loops in C (router_hints/_inventory.c), built at install when a compiler is there.
+try:
+    from router_hints._inventory import removed as _count_removed, stored as _count_stored
+except ImportError:
+    _count_stored, _count_removed = _count_stored_py, _count_removed_py
 
 
 def _clear_bit(masks: dict[int, int], seq: int, bits: int) -> None:

@@ -116,3 +116,20 @@ def backends():
     yield make
     for b in made:
         b.close()
+
+
+@pytest.fixture(params=["native", "python"])
+def hash_and_index_loops(request, monkeypatch):
+    """Run a test on kvcr's C token hash and index loops, then on their Python references (what a
+    host without a compiler runs); the native run is skipped where they were not built."""
+    from kvcr.proto import tokenhash
+    from router_hints import index
+
+    if request.param == "native":
+        if tokenhash._native is None or index._count_stored is index._count_stored_py:
+            pytest.skip("the C helpers were not built on this host (no compiler or no xxhash header)")
+    else:
+        monkeypatch.setattr(tokenhash, "_native", None)
+        monkeypatch.setattr(index, "_count_stored", index._count_stored_py)
+        monkeypatch.setattr(index, "_count_removed", index._count_removed_py)
+    return request.param

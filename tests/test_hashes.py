@@ -1,6 +1,8 @@
 """Every hash vector computed by the real SGLang, vLLM and Dynamo implementations."""
 
 import hashlib
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +77,33 @@ def test_dynamo_local_block_hash(v):
     got = tokenhash.dynamo_local_block_hashes(i["token_ids"], i["kv_block_size"], lora_name=i.get("lora_name"),
                                               cache_namespace=i.get("cache_namespace"), eagle=i.get("is_eagle", False))
     assert got == e["local_block_hashes_u64"]
+
+
+@pytest.mark.parametrize("v", [p for p in vectors("dynamo_") if "token_ids" in p.values[0]["inputs"]
+                               and not p.values[0]["inputs"].get("is_eagle")])
+def test_dynamo_block_sequence_hashes_chain_the_vectors_local_hashes(v, hash_and_index_loops):
+    i, e = v["inputs"], v["expected"]
+    got = tokenhash.dynamo_block_sequence_hashes(i["token_ids"], i["kv_block_size"], lora_name=i.get("lora_name"),
+                                                 cache_namespace=i.get("cache_namespace"))
+    assert got == tokenhash.dynamo_sequence_hashes(e["local_block_hashes_u64"])
+
+
+@pytest.mark.parametrize("cut", [0, 16, 48, 64])
+def test_dynamo_block_sequence_hashes_continue_from_a_parent(cut, hash_and_index_loops):
+    tokens = list(range(1000, 1000 + 64 + 5))  # 4 blocks and a partial one, which is not hashed
+    whole = tokenhash.dynamo_block_sequence_hashes(tokens, 16, cache_namespace="tenant-a")
+    head = whole[:cut // 16]
+    tail = tokenhash.dynamo_block_sequence_hashes(tokens[cut:], 16, cache_namespace="tenant-a",
+                                                  parent=head[-1] if head else None)
+    assert len(whole) == 4 and head + tail == whole
+    assert whole[1] == tokenhash.dynamo_chain_hash(whole[0], tokenhash.dynamo_local_block_hashes(
+        tokens[16:32], 16, cache_namespace="tenant-a")[0])
+
+
+def test_the_c_token_hash_is_built_where_a_compiler_and_xxhash_header_are():
+    if not shutil.which("gcc") or not Path("/usr/include/xxhash.h").exists():
+        pytest.skip("no gcc or no xxhash header on this host: the Python hashes are tested above")
+    assert tokenhash._native is not None
 
 
 def test_dynamo_sequence_hash_and_salt_seeds():

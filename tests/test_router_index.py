@@ -189,7 +189,8 @@ def test_a_worker_that_only_heartbeat_can_be_cleared_again_and_again(batches):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_overlaps_follow_per_tier_reference_counts_through_random_stores_removals_and_clears(seed):
+def test_overlaps_follow_per_tier_reference_counts_through_random_stores_removals_and_clears(seed,
+                                                                                           hash_and_index_loops):
     # a naive model: per (worker, block) and tier a count; depths read straight from the counts
     rng = random.Random(seed)
     index = InventoryIndex(block_size=BLOCK)
@@ -239,3 +240,58 @@ def expected_overlaps(counts: dict, seq_hashes: list[int]) -> dict:
         if anywhere:
             out[(worker, 0)] = Overlap(dev, dh - dev, anywhere - dh)
     return out
+
+
+def _random_stream(seed: int, n: int = 400):
+    """Stores (runs from the root or continuing one), removals in every tier, duplicates, clears."""
+    rng = random.Random(seed)
+    prompts = [tokens_for(500 + seed * 10 + p, 8) for p in range(3)]
+    media = ("GPU", "CPU_PINNED", "DISK")
+    for _ in range(n):
+        worker, p, medium, op = rng.choice("ab"), rng.randrange(3), rng.choice(media), rng.random()
+        if op < 0.6:
+            first = rng.choice((0, rng.randrange(8)))
+            yield worker, stored(prompts[p], first, rng.randint(1, 8 - first), medium)[0]
+        elif op < 0.98:
+            first = rng.randrange(8)
+            _, ann = stored(prompts[p], first, rng.randint(1, 8 - first), medium)
+            yield worker, BlockRemoved(block_hashes=tuple(a.event_hash for a in ann), medium=medium)
+        else:
+            yield worker, AllBlocksCleared()
+
+
+def _index_state(index: InventoryIndex):
+    return (index._masks, {w: (s.by_external, s.held) for w, s in index._workers.items()},
+            index.num_unknown_parent, index.num_events)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_index_loops_leave_exactly_the_state_the_python_ones_do(seed, monkeypatch):
+    from router_hints import index as index_module
+
+    if index_module._count_stored is index_module._count_stored_py:
+        pytest.skip("the C index loops were not built on this host")
+    states = []
+    for loops in ("native", "python"):
+        if loops == "python":
+            monkeypatch.setattr(index_module, "_count_stored", index_module._count_stored_py)
+            monkeypatch.setattr(index_module, "_count_removed", index_module._count_removed_py)
+        index = InventoryIndex(block_size=BLOCK)
+        for worker, event in _random_stream(seed):
+            index.apply(worker, batch(event))
+        states.append(_index_state(index))
+    assert states[0] == states[1]
+    assert states[0][0], "the stream should leave some blocks held"
+
+
+@pytest.mark.parametrize("call, problem", [
+    (lambda n: n.stored({}, {}, [1], [2], 0, 1), "slot 0"),
+    (lambda n: n.stored({2: (1, 0, 0, 0)}, {}, [1], [2], 1, 1), "held entry"),
+    (lambda n: n.removed({1: 2}, {2: [1, 1]}, {}, [1], 1, 1, (0,) * 8), "held entry"),
+    (lambda n: n.removed({}, {}, {}, [1], 2, 1, (0,) * 7), "drops"),
+    (lambda n: n.stored({}, {}, 5, [2], 1, 1), "externals"),
+])
+def test_the_c_index_loops_refuse_what_the_index_never_passes_by_name(call, problem):
+    native = pytest.importorskip("router_hints._inventory")
+    with pytest.raises((TypeError, ValueError), match=problem):
+        call(native)

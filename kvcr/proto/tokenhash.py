@@ -12,6 +12,11 @@ import xxhash
 
 from .keys import U64_MASK
 
+try:  # kvcr/_tokenhash.c, built at install where a compiler and xxhash's header are
+    from .. import _tokenhash as _native
+except ImportError:
+    _native = None
+
 DYNAMO_SEED = 1337
 VLLM_NONE_HASH_SEED = "vllm-none-hash"
 
@@ -45,6 +50,17 @@ def dynamo_sequence_hashes(local_hashes: Sequence[int], parent: int | None = Non
         prev = h if prev is None else digest(pack(prev, h), seed=DYNAMO_SEED)
         out.append(prev)
     return out
+
+
+def dynamo_block_sequence_hashes(tokens: Sequence[int], block_size: int, *, lora_name: str | None = None,
+                                 cache_namespace: str | None = None, parent: int | None = None) -> list[int]:
+    """Sequence hashes of the complete blocks of `tokens`, continuing from the parent block's:
+    dynamo_local_block_hashes chained by dynamo_sequence_hashes, in one C call where built."""
+    if _native is not None:
+        return _native.sequence_hashes(tokens if isinstance(tokens, array) else array("I", tokens), block_size,
+                                       dynamo_seed(lora_name, cache_namespace), parent)
+    return dynamo_sequence_hashes(dynamo_local_block_hashes(tokens, block_size, lora_name=lora_name,
+                                                            cache_namespace=cache_namespace), parent)
 
 
 def dynamo_chain_hash(parent_sequence_hash: int, local_hash: int) -> int:

@@ -9,21 +9,17 @@ events a kvcr runner sends (`CPU_PINNED`, `DISK`), for the router's real index t
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import lru_cache, partial
-from itertools import chain, islice, takewhile
-from operator import add
+from functools import partial
+from itertools import islice, takewhile
+from operator import add, and_
 from typing import Sequence
 
 from kvcr.proto.events import BlockRemoved, BlockStored, Event
 
-SIM_BLOCK = 4  # tokens per block in the router's eyes: a trace block is mapped to this many tokens
-
-
-@lru_cache(maxsize=1 << 20)
-def block_tokens(block: int) -> tuple[int, ...]:
-    """The tokens standing for a trace block (unique per id; the id already implies its prefix)."""
-    base = (block * SIM_BLOCK) & 0xFFFF_FFFF  # a multiple of SIM_BLOCK: the block's tokens never wrap
-    return tuple(range(base, base + SIM_BLOCK))
+SIM_BLOCK = 1  # tokens per block in the router's eyes: a trace block is one token, its id
+# The token standing for a trace block: its id as a u32 (the id already implies its prefix, and
+# ids below 2**32 never collide); C-speed in map().
+block_token = partial(and_, 0xFFFF_FFFF)
 
 
 external = partial(add, 1)  # the hash a simulated engine publishes for a block id (never 0); C-speed in map()
@@ -73,13 +69,14 @@ class BlockLRU:
         return stored, evicted
 
 
-def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> list[Event]:
+def stored_events(blocks: Sequence[int], stored: list[int], medium: str) -> list[Event]:
     """One BlockStored per run of newly stored blocks, each naming its parent (the block before it
     in the request)."""
     if not stored:
         return []
-    if len(stored) == len(blocks):  # a request no tier held any of: one run from the root
-        return [_stored(list(blocks), None, medium)]
+    tail = len(blocks) - len(stored)
+    if list(blocks[tail:]) == stored:  # the usual case: a held head, then one new run to the end
+        return [_stored(stored, blocks[tail - 1] if tail else None, medium)]
     new = set(stored)
     events: list[Event] = []
     run: list[int] = []
@@ -100,7 +97,7 @@ def stored_events(blocks: Sequence[int], stored: Sequence[int], medium: str) -> 
 def _stored(run: list[int], parent: int | None, medium: str) -> BlockStored:
     return BlockStored(block_hashes=tuple(map(external, run)),
                        parent_block_hash=external(parent) if parent is not None else None,
-                       token_ids=tuple(chain.from_iterable(map(block_tokens, run))), block_size=SIM_BLOCK,
+                       token_ids=tuple(map(block_token, run)), block_size=SIM_BLOCK,
                        medium=medium)
 
 

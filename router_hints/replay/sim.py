@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from array import array
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Callable, Sequence
 
 from kvcr.proto.events import EventBatch
 from kvcr.proto.hints import parse_envelope
-from kvcr.proto.tokenhash import dynamo_local_block_hashes, dynamo_sequence_hashes
+from kvcr.proto.tokenhash import dynamo_block_sequence_hashes
 
 from router_hints.index import InventoryIndex, Overlap, Worker
 from router_hints.scoring import CostModel, Load, choose, choose_source
-from .caches import SIM_BLOCK, WorkerCache, block_tokens
+from .caches import SIM_BLOCK, WorkerCache, block_token
 from .trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 POLICIES = ("round_robin", "kv", "kvcr", "ideal")
@@ -181,8 +181,8 @@ class Simulation:
             return out
         first = out.index(None)  # new blocks extend a known prefix: hash them in one call
         tail = blocks[first:]
-        local = dynamo_local_block_hashes(list(chain.from_iterable(map(block_tokens, tail))), SIM_BLOCK)
-        out[first:] = dynamo_sequence_hashes(local, out[first - 1] if first else None)
+        out[first:] = dynamo_block_sequence_hashes(array("I", map(block_token, tail)), SIM_BLOCK,
+                                                   parent=out[first - 1] if first else None)
         memo.update(zip(tail, out[first:]))
         return out
 
