@@ -25,13 +25,16 @@ from router_hints.replay.trace import read_trace  # noqa: E402
 
 
 LONG = SynthSpec(requests=10000, system_blocks=16, turn_blocks=(3, 12), max_turns=4)  # ~32 blocks a request
+# The simulator's worst case, shaped like the start of Mooncake's conversation trace: one shared
+# root block, then mostly blocks no request had before (~27 new of ~42 a request).
+FRESH = SynthSpec(requests=10000, system_prompts=1, system_blocks=1, turn_blocks=(4, 50), max_turns=1)
 
 
-def long_request_speed(repeats: int = 3) -> tuple[str, float]:
+def long_request_speed(spec: SynthSpec, repeats: int = 3) -> tuple[str, float]:
     """The simulator's speed per policy on a trace of long requests (8 workers of 1000 blocks),
     each policy run alone, as median (min-max) over repeats; and the trace's mean blocks per request."""
     path = Path(tempfile.mkdtemp(prefix="kvcr-replay-long-")) / "long.jsonl"
-    write(path, LONG)
+    write(path, spec)
     trace = read_trace(path)
     speeds: dict[str, list[int]] = {p: [] for p in POLICIES}
     for _ in range(repeats):
@@ -71,8 +74,10 @@ def main() -> int:
                 rows.append(row)
                 print(row, flush=True)
     speed = ", ".join(f"{p} {sorted(v)[len(v) // 2]:,}" for p, v in speeds.items())
-    long_speed, long_blocks = long_request_speed()
+    long_speed, long_blocks = long_request_speed(LONG)
     print(f"simulated requests/s, long requests ({long_blocks:.1f} blocks each on average): {long_speed}")
+    fresh_speed, fresh_blocks = long_request_speed(FRESH)
+    print(f"simulated requests/s, mostly new blocks ({fresh_blocks:.1f} blocks each on average): {fresh_speed}")
     if args.no_live:
         print(f"simulated requests/s: {speed}")
         return 0
@@ -101,7 +106,8 @@ def main() -> int:
              "ideal single cache (reuse) and KV-aware routing without pulls (TTFT), from the same run. "
              f"Simulator speed, median simulated requests/s per run: {speed}; on a synthetic trace of long requests "
              f"({long_blocks:.1f} blocks each on average, `LONG` in the script, 8 workers of 1000 blocks; median (min-max) of "
-             f"3 runs): {long_speed}. "
+             f"3 runs): {long_speed}; the worst case, mostly blocks no request had before ({fresh_blocks:.1f} "
+             f"blocks each, about 27 of them new, `FRESH` in the script): {fresh_speed}. "
              "The second table: the trace's first "
              f"{args.live_requests} requests through `kvcr router`, then Dynamo 1.6.1's unmodified frontend and KV "
              "router, each in front of 2 `kvcr worker`s on this machine, then `kvcr router` in front of 2 live "

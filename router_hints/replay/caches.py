@@ -42,9 +42,7 @@ class BlockLRU:
 
     def touch(self, blocks: Sequence[int]) -> None:
         order = self._order
-        for block in reversed(blocks):
-            if block in order:
-                order.move_to_end(block)
+        any(map(order.move_to_end, filter(order.__contains__, reversed(blocks))))  # C speed (each gives None)
 
     def fill(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
         """Hold `blocks` (a request's chain, root first), head most recent; returns (stored,
