@@ -140,6 +140,8 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                     puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local)
                     checking = Puller(plane, timeout_s=30, abandon_s=5, transport="get", verify_transfer_bytes=True,
                                       local_control=local)
+                    sleeping = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local,
+                                      reply_spin_s=0)  # waits for replies asleep at once
                     dest = ctypes.create_string_buffer(pages * page_bytes)
                     dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]
                     src = puller.source(control)
@@ -162,12 +164,14 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                             runs[name].append(statistics.median(values))
                     assert ctypes.string_at(dest, pages * page_bytes) == b"".join(payload), "wrong bytes"
                     shares = _sampled(spy, lambda: steps["pull"]()) if spy else {}
-                    costs = round_trip_costs(_round_trips(puller, echo, tcp_echo, unix_echo, frame, control, keys), proc.pid,
+                    costs = round_trip_costs(_round_trips(puller, sleeping, echo, tcp_echo, unix_echo, frame, control, keys),
+                                             proc.pid,
                                              20 * iterations) if page_bytes == CASES[0][0] else {}
                     rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
                                  "runs": runs, "shares": shares, "costs": costs})
                     puller.close()
                     checking.close()
+                    sleeping.close()
                 finally:
                     proc.terminate()
                     proc.wait(15)
@@ -179,7 +183,7 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
     return rows
 
 
-def _round_trips(puller, echo, tcp_echo, unix_echo, frame: bytes, control: str, keys) -> dict:
+def _round_trips(puller, sleeping, echo, tcp_echo, unix_echo, frame: bytes, control: str, keys) -> dict:
     def zmq_echo() -> None:
         echo.send_multipart([b"", frame])
         echo.recv_multipart()
@@ -190,12 +194,13 @@ def _round_trips(puller, echo, tcp_echo, unix_echo, frame: bytes, control: str, 
         while got < len(frame):
             got += len(sock.recv(1 << 16))
 
-    def claim_and_release() -> None:
-        puller.release(puller.confirm(control, "kv", keys))
+    def claim_and_release(who) -> None:
+        who.release(who.confirm(control, "kv", keys))
 
     return {"plain TCP socket echo": lambda: socket_echo(tcp_echo), "Unix socket echo": lambda: socket_echo(unix_echo),
             "ZMQ echo": zmq_echo,
-            "lookup": lambda: puller.lookup(control, "kv", keys), "claim + release": claim_and_release}
+            "lookup": lambda: puller.lookup(control, "kv", keys), "claim + release": lambda: claim_and_release(puller),
+            "claim + release, asleep at once": lambda: claim_and_release(sleeping)}
 
 
 def _steps(puller, checking, plane, src, echo, frame: bytes, control: str, keys, dests, ops) -> dict:
@@ -297,7 +302,7 @@ def main() -> int:
     for r in rows:
         for name, c in r["costs"].items():
             cost_lines.append(f"| {r['transport']} | {name} | {c['wall'] * 1e6:.0f} | "
-                              + (f"{c['source'] * 1e6:.0f}" if name in ("lookup", "claim + release") else "–")
+                              + (f"{c['source'] * 1e6:.0f}" if name.startswith(("lookup", "claim")) else "–")
                               + f" | {c['client'] * 1e6:.0f} |")
             print("cost:", cost_lines[-1])
         runs = r["runs"]
@@ -329,7 +334,9 @@ def main() -> int:
              "column is what a pull costs over the raw GETs. The second table: back to back at 16 × 64 KiB, "
              f"{20 * args.iterations} of each, per op, the wall time and the CPU time the source process (ZMQ's I/O "
              "thread included) and this process spend; the echoes answer from Python processes of their own "
-             "(a ZMQ ROUTER, a plain TCP socket with TCP_NODELAY, and a Unix stream socket).")
+             "(a ZMQ ROUTER, a plain TCP socket with TCP_NODELAY, and a Unix stream socket). Pullers first wait "
+             "for a reply without sleeping (`runner.reply_spin_us`, 500 µs); \"asleep at once\" is a puller that "
+             "does not (`reply_spin_us = 0`), in the same run.")
     tables = [table(["transport", "pages", "echo", "lookup", "confirm", "confirm, digests", "deliver", "raw GET", "pull",
                      "pull − raw GET"], lines)]
     tables.append(table(["transport", "back to back, 16 × 64 KiB", "wall µs", "source CPU µs", "client CPU µs"],

@@ -9,7 +9,7 @@ import time
 import urllib.request
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 import zmq
@@ -76,10 +76,11 @@ class Channel(Protocol):
 
 class ControlClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
-                 curve: CurveKeys | None = None, channel: Channel | None = None) -> None:
+                 curve: CurveKeys | None = None, channel: Channel | None = None, spin_s: float = 0.0) -> None:
         """`curve`: the deployment keypair; None takes it from the environment (CurveKeys.from_env),
         so the router and every CLI command speak CURVE where it is set. `channel`: another way to
-        the same runner (its same-host socket); by default a ZMQ socket to `endpoint`."""
+        the same runner (its same-host socket); by default a ZMQ socket to `endpoint`. `spin_s`: how
+        long a request first waits for its reply without sleeping (see `poll_reply`)."""
         self.endpoint = endpoint
         self.curve = curve if curve is not None else CurveKeys.from_env()
         self.timeout_ms = int(timeout_s * 1000)
@@ -90,6 +91,7 @@ class ControlClient:
         # handler (a late grant must be released on the socket that owns it). Without, start afresh.
         self.on_late_reply: Callable[[m.Message], None] | None = None
         self._abandoned: set[int] = set()
+        self.spin_s = spin_s
 
     def close(self, linger_ms: int = 0) -> None:
         """With `linger_ms`, messages already sent still leave for that long."""
@@ -130,12 +132,16 @@ class ControlClient:
     def send(self, msg: m.Message) -> int:
         """Send a request without waiting; returns its id for poll_reply."""
         request_id = next(self._ids)
-        self._channel.send(m.encode(replace(msg, request_id=request_id, incarnation=self.incarnation)))
+        self._channel.send(m.encode(msg, request_id=request_id, incarnation=self.incarnation))
         return request_id
 
     def poll_reply(self, request_id: int, timeout_ms: int = 0) -> m.Message | None:
-        """The reply to `request_id` if it arrives within `timeout_ms` (raises ControlError on a refusal)."""
+        """The reply to `request_id` if it arrives within `timeout_ms` (raises ControlError on a refusal).
+        The first `spin_s` of the wait polls without sleeping: a fast peer answers within a claim's
+        round trip, and a sleeping thread's wake-up (tens of µs, more on a VM) would add to it."""
         deadline = time.monotonic() + timeout_ms / 1000
+        if timeout_ms > 0 and self.spin_s > 0:
+            self._spin(min(deadline, time.monotonic() + self.spin_s))
         while True:
             if not self._channel.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return None
@@ -145,6 +151,10 @@ class ControlClient:
                     raise ControlError(reply.code, reply.message)
                 return reply
             self._late(reply)
+
+    def _spin(self, until: float) -> None:
+        while not self._channel.poll(0) and time.monotonic() < until:
+            pass
 
     def request(self, msg: m.Message, *, timeout_s: float | None = None) -> m.Message:
         request_id = self.send(msg)

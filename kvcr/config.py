@@ -185,6 +185,7 @@ class RunnerConfig:
     pull_lanes: int = 1            # GET workers/threads a large pull is split over
     copy_threads: int = 0          # same-host copies: threads a large pull is split over (0: one per core, <= 4)
     local_control: bool = True     # serve, and ask, same-host peers over a Unix socket (mode 0600) too
+    reply_spin_us: int = 500       # a puller first waits for a peer's claim reply this long without sleeping
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
     curve_public_key: str = ""
@@ -364,6 +365,7 @@ def _validate(cfg: Config) -> None:
     _require(0 <= r.copy_threads <= 64, f"runner.copy_threads = {r.copy_threads} must be in 0..64 (0: one per core)")
     _require(r.transfer in ("get", "tag", "shm", "auto"),
              f"runner.transfer = {r.transfer!r} must be one of get, tag, shm, auto")
+    _require(0 <= r.reply_spin_us <= 100_000, f"runner.reply_spin_us = {r.reply_spin_us} must be in 0..100000")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,
              f"runner.pull_timeout_s = {r.pull_timeout_s} / runner.pull_abandon_s = {r.pull_abandon_s} must be > 0")

@@ -25,7 +25,7 @@ from .proto.announce import Announce
 from .proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill, Release
 from .proto.disk_index import DiskStats
 from .proto.events import AllBlocksCleared, Event
-from .proto.keys import Namespace, StorageKey, storage_key
+from .proto.keys import Namespace, StorageKey, storage_keys
 from .proto.pool import Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
 from .proto.relay import RelayStep
 from .shard_assembly import ShardAssembly
@@ -152,7 +152,7 @@ class Runner:
 
     def keys(self, pool: str, page_hexes: Sequence[str]) -> list[StorageKey]:
         digest = self.layouts[pool].namespace.digest  # once per request, not per page
-        return [storage_key(h, digest) for h in page_hexes]
+        return storage_keys(page_hexes, digest)
 
     def capacity(self, pool: str) -> int:
         """Slots in the pool (fixed at start)."""
@@ -296,7 +296,7 @@ class Runner:
             return claim
 
     def grant(self, pool: str, keys: Sequence[StorageKey], *, owner: str, lease_s: float | None = None,
-              digests: bool = False, registered: Callable[[int, int], bool] | None = None) -> Grant:
+              digests: bool = False, registered: Callable[[Sequence[int], int], bool] | None = None) -> Grant:
         """A peer's claim: the leading present pages pinned, with their region offsets (and commit
         digests when asked). Pages not yet registered for peers' GETs (`registered`) refuse the
         whole claim as Busy, a miss the peer retries; a claim that cannot be answered is released."""
@@ -304,7 +304,7 @@ class Runner:
         try:
             offsets = tuple(self.offset(pool, p.slot) for p in claim.pages)
             size = self.layouts[pool].page_bytes
-            if registered is not None and not all(registered(o, size) for o in offsets):
+            if registered is not None and not registered(offsets, size):
                 raise Busy("these pages are not registered for peers yet; retry shortly")
             sums = tuple(self.page_digest(pool, p) for p in claim.pages) if digests else ()
             return Grant(claim, offsets, sums, tuple(p.announce.to_wire() if p.announce else None for p in claim.pages))

@@ -135,10 +135,17 @@ def test_mla_ranks_share_a_namespace():
         keys.Namespace(model="m", tp_size=2, tp_rank=1, is_mla=True).digest
 
 
-@pytest.mark.parametrize("bad", ["", "abc", "g" * 64, "A" * 64, "../" + "a" * 61])
-def test_storage_key_rejects_non_hex_page_hashes(bad):
+@pytest.mark.parametrize("bad", ["", "abc", "g" * 64, "A" * 64, "../" + "a" * 61, "a" * 31 + "\n" + "a" * 32, 7])
+@pytest.mark.parametrize("one", [True, False], ids=["storage_key", "storage_keys"])
+def test_storage_key_rejects_non_hex_page_hashes(bad, one):
     with pytest.raises(keys.KeyFormatError, match="64 lowercase hex"):
-        keys.storage_key(bad, "ns")
+        keys.storage_key(bad, "ns") if one else keys.storage_keys(["b" * 64, bad, "c" * 64], "ns")
+
+
+def test_storage_keys_are_each_page_hash_in_the_namespace():
+    hexes = ["0123456789abcdef" * 4, "f" * 64]
+    assert keys.storage_keys(hexes, "ns") == [keys.storage_key(h, "ns") for h in hexes]
+    assert keys.storage_keys([], "ns") == []
 
 
 def test_context_parallel_ranks_get_their_own_namespace_and_cp_1_keeps_old_digests():

@@ -5,7 +5,7 @@ import pytest
 from kvcr.proto import messages as m
 from kvcr.proto.pull import (MISS, BackOff, ClaimAgain, DigestMismatch, Finish, ForgetSource, Pull, PullResult,
                              PullState, PullStateError, PullTerms, Refuse, SendRelease, SourceTerms, Transfer,
-                             choose_transport, late_grant_release)
+                             choose_transport, late_grant_release, pages_inside)
 
 PAGE = 4096
 INCARNATION = "src-1"
@@ -153,6 +153,17 @@ def test_a_grant_from_a_restarted_source_is_given_back_and_claimed_again_once(ma
 def test_a_grant_outside_the_memory_we_know_of_is_claimed_again_after_a_fresh_look(make_pull):
     pull = make_pull(chunks=((0, 2 * PAGE),))
     assert isinstance(pull.granted(grant(), 100.01)[-1], ClaimAgain)
+
+
+@pytest.mark.parametrize("offsets, inside", [
+    ((), True),
+    ((PAGE, 0), True),                           # one chunk holds their whole span
+    ((0, 3 * PAGE, PAGE), True),                 # each lies in one chunk or the other
+    ((PAGE + PAGE // 2,), False),                # across the two chunks' boundary
+    ((0, 4 * PAGE), False),                      # past the last chunk
+])
+def test_pages_are_inside_only_when_each_lies_whole_in_one_chunk(offsets, inside):
+    assert pages_inside(offsets, PAGE, ((0, 2 * PAGE), (2 * PAGE, 2 * PAGE))) is inside
 
 
 @pytest.mark.parametrize("reply, problem", [

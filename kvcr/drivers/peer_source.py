@@ -68,7 +68,7 @@ class PeerSource:
                      self.local_control, exc, self.endpoint)
             return
         self.client.close()
-        self.client = ControlClient(self.endpoint, timeout_s=timeout_s, channel=channel)
+        self.client = ControlClient(self.endpoint, timeout_s=timeout_s, channel=channel, spin_s=self.client.spin_s)
 
     @property
     def incarnation(self) -> str:

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Sequence
 
 # UCX reads its environment when the context is created. These defaults work on one host (shared
 # memory) and across hosts (TCP); an operator's own UCX_* settings win.
@@ -32,7 +33,7 @@ for _key, _value in UCX_DEFAULTS.items():
 import ucxx._lib.libucxx as ucx  # noqa: E402  (after the environment is set)
 from ucxx._lib.arr import Array  # noqa: E402
 
-from ..proto.pull import split_even  # noqa: E402
+from ..proto.pull import pages_inside, split_even  # noqa: E402
 from .ucx_rma import GetResult, MemoryRegistration, RemoteKey, get_batch, progress_worker, recv_batch, settle  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,9 @@ class UcxPlane:
         thread.start()
         return thread
 
-    def registered(self, offset: int, length: int) -> bool:
-        return any(c.offset <= offset and offset + length <= c.offset + c.length for c in self.chunks)
+    def registered(self, offsets: Sequence[int], length: int) -> bool:
+        """Whether every page (`length` bytes at each offset) lies in a registered chunk."""
+        return pages_inside(offsets, length, [(c.offset, c.length) for c in self.chunks])
 
     def info(self) -> dict:
         return {"address": self.address.hex(), "registered_bytes": self.registered_bytes,

@@ -10,7 +10,6 @@ import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import zmq
@@ -243,7 +242,7 @@ class ControlServer:
     def _encoded(self, request_id: int, reply: m.Message) -> bytes:
         if isinstance(reply, m.Error):
             self.num_rejected += 1
-        return m.encode(replace(reply, request_id=request_id, incarnation=self.runner.incarnation))
+        return m.encode(reply, request_id=request_id, incarnation=self.runner.incarnation)
 
     @staticmethod
     def _error_reply(exc: Exception) -> m.Error:

@@ -96,11 +96,10 @@ class ClaimTable:
             raise Busy(f"{owner!r} already holds {held} claims (max_claims_per_owner "
                        f"{self.max_claims_per_owner})")
         budget = int(pool.capacity * self.max_claim_fraction) - pool.num_claimed
-        available = pool.leading_ready(keys)
-        if available and budget <= 0:
+        if budget <= 0 and pool.leading_ready(keys[:1]):
             raise ClaimLimit(f"pool {pool.name!r}: {pool.num_claimed} of {pool.capacity} pages already "
                              f"claimed (max_claim_fraction {self.max_claim_fraction})")
-        pages = pool.pin_prefix(keys, min(available, max(budget, 0)))
+        pages = pool.pin_prefix(keys, max(budget, 0))  # it stops at the first page not READY
         if not pages:
             return Claim(0, owner, pool, [], lease_s, now)
         claim = Claim(self._new_id(now + lease_s), owner, pool, pages, lease_s, now + lease_s)

@@ -184,6 +184,7 @@ class Namespace:
 
 PAGE_HEX_DIGITS = 64
 _PAGE_HEX = re.compile(r"[0-9a-f]{%d}" % PAGE_HEX_DIGITS)
+_PAGE_HEX_LINES = re.compile(r"(?:[0-9a-f]{%d}\n)*" % PAGE_HEX_DIGITS)
 
 
 class StorageKey(str):
@@ -209,6 +210,16 @@ def check_page_hex(page_hex: object) -> str:
 
 def storage_key(page_hex: str, namespace_digest: str) -> StorageKey:
     return StorageKey(f"{check_page_hex(page_hex)}.{namespace_digest}")
+
+
+def storage_keys(page_hexes: Sequence[object], namespace_digest: str) -> list[StorageKey]:
+    """storage_key of each: a request's page hashes checked in one pass, not one match each."""
+    if page_hexes and not (set(map(type, page_hexes)) <= {str} and set(map(len, page_hexes)) <= {PAGE_HEX_DIGITS}
+            and _PAGE_HEX_LINES.fullmatch("\n".join(page_hexes) + "\n")):
+        for page_hex in page_hexes:
+            check_page_hex(page_hex)  # the error names the first bad one
+    suffix = "." + namespace_digest
+    return [StorageKey(h + suffix) for h in page_hexes]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -295,8 +295,19 @@ class Error(Message):
     message: str = ""
 
 
-def encode(msg: Message) -> bytes:
-    body = {f.name: getattr(msg, f.name) for f in fields(msg)}
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def encode(msg: Message, *, request_id: int | None = None, incarnation: str | None = None) -> bytes:
+    """The wire form; `request_id` and `incarnation`, when given, stand in for the message's own
+    (what a sender stamps on each message, without copying it)."""
+    body = {name: getattr(msg, name) for name in _field_names(type(msg))}
+    if request_id is not None:
+        body["request_id"] = request_id
+    if incarnation is not None:
+        body["incarnation"] = incarnation
     body["type"] = msg.TYPE
     body["version"] = list(msg.version)
     return msgpack.packb(body, use_bin_type=True)

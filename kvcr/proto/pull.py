@@ -52,21 +52,25 @@ def _merge(pieces: Iterable[tuple[int, int, int, int]], chunks: Sequence[tuple[i
     bounds = sorted((start, start + length) for start, length in chunks)
     lows = [b[0] for b in bounds]
 
-    def chunk_of(offset: int) -> int:
+    def chunk_end(offset: int) -> int:
+        """Where the chunk holding `offset` ends (-1: in none; nothing is merged into that GET)."""
         i = bisect_right(lows, offset) - 1
-        return i if i >= 0 and offset < bounds[i][1] else -1
+        return bounds[i][1] if i >= 0 and offset < bounds[i][1] else -1
 
     ops: list[GetOp] = []
+    run: list = []  # the GET being grown: local, nbytes, remote, its pages, where its chunk ends
     for dst, size, src, page in pieces:
-        if ops:
-            last = ops[-1]
-            if (last.local + last.nbytes == dst and last.remote_offset + last.nbytes == src
-                    and last.nbytes + size <= max_op_bytes and chunk_of(src) == chunk_of(last.remote_offset)
-                    and chunk_of(src + size - 1) == chunk_of(src)):
-                pages = last.pages if last.pages[-1] == page else (*last.pages, page)
-                ops[-1] = GetOp(last.local, last.nbytes + size, last.remote_offset, pages)
-                continue
-        ops.append(GetOp(dst, size, src, (page,)))
+        if (run and run[0] + run[1] == dst and run[2] + run[1] == src and run[1] + size <= max_op_bytes
+                and src + size <= run[4]):
+            run[1] += size
+            if run[3][-1] != page:
+                run[3].append(page)
+            continue
+        if run:
+            ops.append(GetOp(run[0], run[1], run[2], tuple(run[3])))
+        run = [dst, size, src, [page], chunk_end(src)]
+    if run:
+        ops.append(GetOp(run[0], run[1], run[2], tuple(run[3])))
     return ops
 
 
@@ -225,19 +229,27 @@ _ALLOWED: dict[str, tuple[PullState, ...]] = {  # event -> states that take it
 }
 
 
+def pages_inside(offsets: Sequence[int], length: int, chunks: Sequence[tuple[int, int]]) -> bool:
+    """Whether every page (`length` bytes at each offset) lies in one of the (start, length) chunks."""
+    def inside(start: int, end: int) -> bool:
+        return any(c_start <= start and end <= c_start + c_length for c_start, c_length in chunks)
+    if not offsets or inside(min(offsets), max(offsets) + length):
+        return True  # the whole span in one chunk (a claim's usual case: one check, not one per page)
+    return all(inside(o, o + length) for o in offsets)
+
+
 def check_grant(reply: m.Granted, terms: PullTerms, source: SourceTerms) -> str:
     """The problem with a grant, or "" when it can be used as it stands."""
     theirs = source.page_bytes.get(terms.pool)
     if terms.page_bytes is not None and theirs != terms.page_bytes:
         return f"pool {terms.pool!r} pages are {theirs} bytes there, {terms.page_bytes} here"
-    if len(reply.offsets) > terms.asked or not all(o >= 0 for o in reply.offsets):
+    if len(reply.offsets) > terms.asked or (reply.offsets and min(reply.offsets) < 0):
         return "offsets are not one non-negative integer per page asked for"
     if terms.digests and len(reply.digests) != len(reply.offsets):
         return "digests were asked for but not given for every page"
     if not 0 < reply.lease_s <= MAX_LEASE_S:
         return f"lease {reply.lease_s!r} is not a duration"
-    if theirs is None or not all(any(start <= o and o + theirs <= start + length for start, length in source.chunks)
-                                 for o in reply.offsets):
+    if theirs is None or not pages_inside(reply.offsets, theirs, source.chunks):
         return OUTSIDE_REGISTERED
     return ""
 
