@@ -336,7 +336,8 @@ def main() -> int:
              "thread included) and this process spend; the echoes answer from Python processes of their own "
              "(a ZMQ ROUTER, a plain TCP socket with TCP_NODELAY, and a Unix stream socket). Pullers first wait "
              "for a reply without sleeping (`runner.reply_spin_us`, 500 µs); \"asleep at once\" is a puller that "
-             "does not (`reply_spin_us = 0`), in the same run.")
+             "does not (`reply_spin_us = 0`), in the same run. The spin is busy time, so the third table (py-spy) counts "
+             "most of a claim's wait under \"waiting on the control reply\".")
     tables = [table(["transport", "pages", "echo", "lookup", "confirm", "confirm, digests", "deliver", "raw GET", "pull",
                      "pull − raw GET"], lines)]
     tables.append(table(["transport", "back to back, 16 × 64 KiB", "wall µs", "source CPU µs", "client CPU µs"],

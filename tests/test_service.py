@@ -223,6 +223,25 @@ def test_an_exhausted_pool_with_every_page_claimed_is_a_clear_error(runner_facto
         writer.close()
 
 
+def test_a_quiet_release_ends_its_claim_unanswered_and_a_bad_one_is_only_counted(runner_factory):
+    info = runner_factory(**{"dram.size": "1Mi", "dram.max_claim_fraction": 1.0,
+                             "dram.pools": [{"name": "kv", "page_bytes": "256Ki"}]}).start()
+    with ControlClient(info["endpoints"]["control"], timeout_s=0.3) as client:
+        writer = AttachedWriter(client)
+        keys, ann, data = pages_for(4, page_bytes=256 * 1024)
+        writer.put("kv", keys, data, ann)
+        grant = client.request(m.ClaimRequest(pool="kv", keys=keys))
+        for claim_id in (grant.claim_id, 999):  # the claim we hold, then one nobody holds
+            with pytest.raises(TimeoutError):
+                client.request(m.ReleaseRequest(claim_id=claim_id, quiet=True))
+        new_keys, new_ann, new_data = pages_for(4, seed=3, page_bytes=256 * 1024)
+        writer.put("kv", new_keys, new_data, new_ann)  # fits only if the claimed pages were let go
+        assert writer.get("kv", new_keys) == new_data
+        writer.close()
+    metrics = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
+    assert "kvcr_control_rejected_total 1.0" in metrics  # the unknown claim: refused, not answered
+
+
 @pytest.mark.parametrize("override,problem", [
     ("dram.size=100Ti", "dram.size = 109951162777600 bytes does not fit in /dev/shm"),
     ("dram.colour=1", "unknown key dram.colour"),

@@ -94,8 +94,8 @@ class Puller:
     transport: str = "get"
     copy_threads: int = 0  # same-host copies: threads a large pull is split over (0: one per core, up to 4)
     local_control: bool = True  # a source on this host is asked over its Unix socket, not ZMQ
-    # A claim's reply is first waited for without sleeping this long (0: sleep at once): the wake-up
-    # of a sleeping thread was 40 % of a same-host claim's round trip on a 2-core VM.
+    # A claim's reply is first waited for without sleeping this long (0: sleep at once): a sleeping
+    # thread's wake-up added 27-29 % to a claim and release on a 2-core VM (docs/peer.md).
     reply_spin_s: float = 500e-6
     num_digest_mismatches: int = 0
     num_refused_untrusted: int = 0
@@ -139,7 +139,7 @@ class Puller:
     def _late_reply(src: PeerSource, reply: m.Message) -> None:
         release = late_grant_release(reply)
         if release is not None:  # we hold src.lock: it goes out as the socket is let go
-            src.releases.append(m.ReleaseRequest(claim_id=release.claim_id))
+            src.releases.append(m.ReleaseRequest(claim_id=release.claim_id, quiet=True))
 
     def forget(self, endpoint: str) -> None:
         with self._lock:
@@ -292,7 +292,7 @@ class Puller:
         return None
 
     def _send_release(self, src: PeerSource, action: SendRelease) -> tuple[bool, ...]:
-        request = m.ReleaseRequest(claim_id=action.claim_id, drop=action.drop)
+        request = m.ReleaseRequest(claim_id=action.claim_id, drop=action.drop, quiet=not action.wait)
         if not action.wait:  # sent by our sender thread: the caller's pull is over once the bytes are in
             src.releases.append(request)
             try:

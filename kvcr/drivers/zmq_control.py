@@ -45,6 +45,10 @@ def _owner(ident: bytes) -> str:
     return ident.hex()
 
 
+def _unanswered(payload: bytes) -> None:
+    pass
+
+
 def _check_lease(lease_s: float) -> None:
     """0 means the runner's default; anything else must be a sane, finite duration."""
     if not (lease_s == 0 or 0 < lease_s <= MAX_LEASE_S):
@@ -214,6 +218,8 @@ class ControlServer:
         try:
             msg = m.decode(payload)
             request_id = msg.request_id
+            if not msg.wants_reply:  # answered with nothing, refusals included (still counted)
+                reply = _unanswered
             if isinstance(msg, m.SnapshotRequest):
                 for part in self._snapshot_parts(msg):
                     reply(m.encode(part))

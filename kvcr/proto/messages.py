@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar, get_args, get_origin, get_type_hints
 import msgpack
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2  # 2: a release may ask for no answer (`quiet`)
 CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "ucx_tag", "tiers", "move", "posted_hints", "shards")
 
 
@@ -34,6 +34,10 @@ class Message:
     request_id: int = 0
     incarnation: str = ""
     version: tuple[int, int] = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
+
+    @property
+    def wants_reply(self) -> bool:
+        return True
 
 
 def _msg(cls: type) -> type:
@@ -280,6 +284,13 @@ class ReleaseRequest(Message):
     TYPE = "release"
     claim_id: int = 0
     drop: int = 0
+    # No answer wanted (minor 2): a release nobody waits for. A minor-1 source answers anyway,
+    # and the puller's client drops that answer as it reads its next reply.
+    quiet: bool = False
+
+    @property
+    def wants_reply(self) -> bool:
+        return not self.quiet
 
 
 @_msg
