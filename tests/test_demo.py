@@ -102,6 +102,34 @@ def test_the_sglang_variant_without_sglang_0_5_23_names_make_sglang_setup(tmp_pa
     assert not (tmp_path / "run").exists()  # refused before anything started
 
 
+def _answer(chosen: list[float], ids: list[int], top: int = 5) -> tuple[dict, list[int]]:
+    """An SGLang /generate meta_info (chosen and top logprobs per output position) and its ids."""
+    tops = [[[lp - 0.5 * rank, 100 + rank] for rank in range(top)] for lp in chosen]
+    return {"output_token_logprobs": [[lp, tok, None] for lp, tok in zip(chosen, ids)],
+            "output_top_logprobs": tops}, ids
+
+
+COLD = [-1.78, -2.00, -0.70, -1.40]
+
+
+@pytest.mark.parametrize("chosen, ids, top, ok", [
+    (COLD, [5, 6, 7, 8], 5, True),                                    # bitwise
+    ([-1.78, -2.00 + 1 / 32, -0.70, -1.40], [5, 6, 7, 8], 5, True),  # one bf16 step of a logit near 8
+    ([-1.78, -2.00 + 1 / 16, -0.70, -1.40], [5, 6, 7, 8], 5, True),  # one step of a logit up to 16
+    ([-1.78, -2.00, -0.70 - 0.5, -1.40], [5, 6, 7, 8], 5, False),    # what a changed prompt token does
+    (COLD, [5, 6, 9, 8], 5, False),                                   # another output token
+    (COLD, [5, 6, 7, 8], 4, False),                                   # fewer top logprobs than asked
+])
+def test_the_sglang_oracle_allows_a_rounding_step_and_refuses_a_changed_answer(chosen, ids, top, ok):
+    from kvcr.demo.sglang_driver import compare
+
+    cold_meta, cold_ids = _answer(COLD, [5, 6, 7, 8])
+    meta, output_ids = _answer(chosen, ids, top)
+    verdict = compare(meta, output_ids, {"output_ids": cold_ids, "meta_info": cold_meta})
+    assert verdict["ok"] is ok
+    assert verdict["bitwise_equal"] is (chosen == COLD and ids == cold_ids and top == 5)
+
+
 @pytest.mark.live_sglang
 @needs_sglang
 @pytest.mark.timeout(600)
