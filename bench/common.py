@@ -42,6 +42,14 @@ def alternate(baseline: Callable[[], float], candidate: Callable[[], float], rep
     return base, cand
 
 
+def child_rows(stdout: str) -> list:
+    """The JSON rows a bench's child process printed: UCX writes its warnings to stdout too,
+    before the rows or (a leak report at exit) after them."""
+    import json
+
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith(("[{", "[]"))))
+
+
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()

@@ -25,13 +25,17 @@ from kvcr.runner import Runner  # noqa: E402
 BLOCK = 16
 
 
-def case(page_bytes: int, pages: int, repeats: int) -> dict:
-    cfg = load_config(None, {"runner.name": f"bench-{page_bytes}", "runner.block_size": BLOCK,
-                             "dram.size": page_bytes * pages + (1 << 20),
-                             "dram.max_claim_fraction": 1.0,
+def _runner(page_bytes: int, pages: int, digests: bool) -> Runner:
+    cfg = load_config(None, {"runner.name": f"bench-{page_bytes}{'-digests' if digests else ''}",
+                             "runner.block_size": BLOCK, "dram.size": page_bytes * pages + (1 << 20),
+                             "dram.max_claim_fraction": 1.0, "runner.verify_transfer_bytes": digests,
                              "dram.pools": [{"name": "kv", "page_bytes": page_bytes}]})
-    events = []
-    runner = Runner(cfg, publish=events.append)
+    return Runner(cfg, publish=lambda event: None)
+
+
+def case(page_bytes: int, pages: int, repeats: int) -> dict:
+    runner = _runner(page_bytes, pages, digests=False)
+    digesting = _runner(page_bytes, pages, digests=True)  # commit-time digests (what keys turn on)
     src = bytearray(page_bytes * pages)
     src[:] = bytes(range(256)) * (len(src) // 256)
     dst = bytearray(page_bytes * pages)  # written once below: pre-faulted
@@ -48,6 +52,10 @@ def case(page_bytes: int, pages: int, repeats: int) -> dict:
 
     def put() -> None:
         runner.put("kv", keys, pages_src, announces)
+
+    def fresh_put_digested() -> float:
+        digesting.remove("kv", keys)
+        return timed(lambda: digesting.put("kv", keys, pages_src, announces))
 
     def get() -> None:
         assert runner.read_into("kv", keys, pages_dst) == pages
@@ -73,10 +81,15 @@ def case(page_bytes: int, pages: int, repeats: int) -> dict:
     base_put, cand_put = alternate(lambda: timed(memcpy), fresh_put, repeats, f"{page_bytes >> 10} KiB put")
     base_get, cand_get = alternate(lambda: timed(memcpy), lambda: timed(get), repeats, f"{page_bytes >> 10} KiB get")
     assert bytes(dst) == bytes(src), "read_into returned different bytes"
+    plain_put, digested_put = alternate(fresh_put, fresh_put_digested, repeats, f"{page_bytes >> 10} KiB digests")
     books = {"put": Spread.of([bookkeeping_put() / pages * 1e6 for _ in range(repeats)]),
              "get": Spread.of([bookkeeping_get() / pages * 1e6 for _ in range(repeats)])}
     runner.shutdown()
-    out = {"page_bytes": page_bytes, "pages": pages}
+    digesting.shutdown()
+    out = {"page_bytes": page_bytes, "pages": pages,
+           "digests": {"plain": Spread.of([page_bytes * pages / t / 1e9 for t in plain_put]),
+                       "digested": Spread.of([page_bytes * pages / t / 1e9 for t in digested_put]),
+                       "cost": Spread.of([d / p - 1 for p, d in zip(plain_put, digested_put)])}}
     for name, base, cand in (("put", base_put, cand_put), ("get", base_get, cand_get)):
         gbps_base = [page_bytes * pages / t / 1e9 for t in base]
         gbps_cand = [page_bytes * pages / t / 1e9 for t in cand]
@@ -95,7 +108,7 @@ def main() -> int:
     args = parser.parse_args()
     repeats = 5 if args.quick else max(5, args.repeats)
     cases = [(64 << 10, 256), (1 << 20, 256), (4 << 20, 64)] if not args.quick else [(64 << 10, 64), (1 << 20, 32)]
-    rows, chart = [], {}
+    rows, chart, digest_rows = [], {}, []
     for page_bytes, pages in cases:
         r = case(page_bytes, pages, repeats)
         for op in ("put", "get"):
@@ -106,6 +119,10 @@ def main() -> int:
             rows.append(f"| {op} | {page_bytes >> 10} KiB | {pages} | {x['base'].fmt()} | {x['cand'].fmt()} | "
                         f"{x['ratio'].fmt(100, 0)} % | {x['overhead_us'].fmt(1, 2)} | {x['books_us'].fmt(1, 2)} |")
             print(rows[-1])
+        d = r["digests"]
+        digest_rows.append(f"| {page_bytes >> 10} KiB | {pages} | {d['plain'].fmt()} | {d['digested'].fmt()} | "
+                           f"{d['cost'].fmt(100, 0)} % |")
+        print("digests", digest_rows[-1])
     intro = (f"`python bench/dram_pool.py --repeats {repeats}` on {machine_line()}. Median (min–max) of {repeats} "
              "alternating baseline/candidate repeats. Baseline: memcpy (memoryview slice assignment) between "
              "pre-faulted buffers, same pages. Candidate: `Runner.put` (reserve, copy into the shared-memory "
@@ -115,7 +132,12 @@ def main() -> int:
              "(put) or claim + release (get) with no bytes copied, per page.")
     columns = ["op", "page", "pages/batch", "baseline GB/s", "kvcr GB/s",
                "kvcr/baseline", "overhead µs/page", "bookkeeping µs/page"]
-    publish("dram_pool", "DRAM pool: batch put/get vs. a single-thread copy", intro, [table(columns, rows)],
+    digests = ("Commit-time page digests (what CURVE keys or `runner.verify_transfer_bytes` turn on: an xxh3-64 of "
+               "every page as it is committed), same run: `Runner.put` without and with them, alternating; cost = "
+               "time with / time without − 1.")
+    publish("dram_pool", "DRAM pool: batch put/get vs. a single-thread copy", intro,
+            [table(columns, rows), [digests],
+             table(["page", "pages/batch", "put GB/s", "put with digests GB/s", "digest cost"], digest_rows)],
             write=not args.no_write, chart=chart)
     return 0
 

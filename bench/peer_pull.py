@@ -37,7 +37,13 @@ def start_source(tmp: Path, page_bytes: int, pages: int, env: dict) -> tuple[sub
     proc = subprocess.Popen([sys.executable, "-m", "kvcr.cli", "serve", "--info-file", str(info_file),
                              "--set", f"runner.name=bench-src-{page_bytes}", "--set", f"dram.size={size}",
                              "--set", f'dram.pools=[{{"name":"kv","page_bytes":{page_bytes}}}]',
-                             "--set", "dram.max_claim_fraction=1.0"], cwd=ROOT, env=env,
+                             "--set", "dram.max_claim_fraction=1.0",
+                             # The TCP rows stand for a peer on another host: claims over ZMQ, without
+                             # the cost of CURVE (a keyless runner serves them only over its Unix socket).
+                             "--set", "runner.insecure=true",
+                             # digests taken as pages are committed (outside the timed pulls), so a
+                             # checked pull costs what it costs a secured deployment
+                             "--set", "runner.verify_transfer_bytes=true"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(tmp / f"src-{page_bytes}.log", "w"))
     deadline = time.monotonic() + 30
     while not info_file.exists():
@@ -82,6 +88,8 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
             try:
                 # TCP stands for another host: its claims go over ZMQ, not the same-host socket
                 puller = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp")
+                checking = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp",
+                                  verify_transfer_bytes=True)  # the source's commit-time digests, checked
                 dest = ctypes.create_string_buffer(page_bytes * pages)
                 slots = list(range(pages))
                 if page_bytes < (64 << 10):
@@ -112,12 +120,18 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                     finally:
                         puller.transport = "get"
 
-                raw(), ours(), tagged()  # warm-up: endpoints, rkey unpack, page faults
-                base, cand, tag = [], [], []
+                def checked() -> float:
+                    t0 = time.perf_counter()
+                    assert checking.pull(control, "kv", keys, dests).delivered == pages
+                    return time.perf_counter() - t0
+
+                raw(), ours(), tagged(), checked()  # warm-up: endpoints, rkey unpack, page faults
+                base, cand, tag, check = [], [], [], []
                 for _ in range(repeats):
                     base.append(raw())
                     cand.append(ours())
                     tag.append(tagged())
+                    check.append(checked())
                 got = ctypes.string_at(dest, page_bytes * pages)
                 assert all(got[s * page_bytes:(s + 1) * page_bytes] == payload[i] for i, s in enumerate(slots))
                 rtt = []
@@ -130,10 +144,11 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                 total = page_bytes * pages
                 rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
                              "base": [total / t / 1e9 for t in base], "cand": [total / t / 1e9 for t in cand],
-                             "tag": [total / t / 1e9 for t in tag],
+                             "tag": [total / t / 1e9 for t in tag], "checked": [total / t / 1e9 for t in check],
                              "overhead_us": [(c - b) / pages * 1e6 for c, b in zip(cand, base)],
                              "rtt_ms": sorted(x * 1e3 for x in rtt)})
                 puller.close()
+                checking.close()
             finally:
                 proc.terminate()
                 proc.wait(15)
@@ -157,7 +172,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, repeats, args.quick)))
         return 0
-    from bench.common import machine_line, publish, table
+    from bench.common import child_rows, machine_line, publish, table
 
     rows, lines, chart = [], [], {}
     for name, tls in TRANSPORTS.items():
@@ -169,12 +184,13 @@ def main() -> int:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
             raise SystemExit(out.stderr)
-        rows += json.loads(out.stdout.strip().splitlines()[-1])  # UCX may print warnings first
+        rows += child_rows(out.stdout)
     for r in rows:
         ratio = [c / b for c, b in zip(r["cand"], r["base"])]
         lines.append(f"| {r['transport']} | {r['page_bytes'] >> 10} KiB | {r['pages']} | {r['gets']} | "
                      f"{fmt(r['base'])} | {fmt(r['cand'])} | {fmt(ratio, 100, 0)} % | {fmt(r['overhead_us'], 1, 1)} | "
-                     f"{fmt(r['tag'])} |")
+                     f"{fmt(r['tag'])} | {fmt(r['checked'])} | "
+                     f"{fmt([c / d - 1 for c, d in zip(r['cand'], r['checked'])], 100, 0)} % |")
         print(lines[-1])
         chart[f"{r['transport']}, {r['page_bytes'] >> 10} KiB"] = {
             "raw GET loop": r["base"], "kvcr pull": r["cand"], "kvcr tagged fallback": r["tag"]}
@@ -191,10 +207,12 @@ def main() -> int:
              "Pages under 64 KiB are scattered over the destination (one GET per page); larger ones are "
              "coalesced into one GET per contiguous run (`GETs` column). Overhead = (kvcr − baseline) time per "
              "page. The last column is the two-sided fallback (`runner.transfer = \"tag\"`: receives posted, "
-             "the source sends).\n\nClaim round trip (confirm of 128 pages + release, 200 samples), ms: see "
+             "the source sends). Digests checked: the same pull asking the source for its pages' commit-time "
+             "digests and checking the received bytes against them (what CURVE keys turn on); cost = "
+             "kvcr / checked − 1.\n\nClaim round trip (confirm of 128 pages + release, 200 samples), ms: see "
              "the second table.")
     columns = ["transport", "page", "pages", "GETs", "baseline GB/s", "kvcr GB/s", "kvcr/baseline",
-               "overhead µs/page", "kvcr tagged fallback GB/s"]
+               "overhead µs/page", "kvcr tagged fallback GB/s", "kvcr, digests checked GB/s", "digest cost"]
     publish("peer_pull", "Peer pulls over UCX", intro,
             [table(columns, lines), table(["transport", "claim RTT p50 ms", "p99 ms"], rtt_lines)],
             write=not (args.no_write or args.quick), chart=chart)  # a partial run never replaces the full table

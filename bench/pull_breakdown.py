@@ -280,7 +280,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, args.repeats, args.iterations, args.spy_path)))
         return 0
-    from bench.common import machine_line, publish, table
+    from bench.common import child_rows, machine_line, publish, table
 
     spy = ""
     if args.py_spy:
@@ -297,7 +297,7 @@ def main() -> int:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
             raise SystemExit(out.stderr)
-        rows += json.loads(out.stdout.strip().splitlines()[-1])  # UCX may print warnings first
+        rows += child_rows(out.stdout)
     lines, spy_lines, cost_lines, chart = [], [], [], {}
     for r in rows:
         for name, c in r["costs"].items():

@@ -15,7 +15,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 import zmq
 
 from .config import CurveKeys
-from .drivers.shm import Region
+from .drivers.local_control import LocalChannel
+from .drivers.shm import Region, host_id
 from .drivers.zmq_curve import secure_client
 from .proto import messages as m
 from .proto.announce import Announce
@@ -76,11 +77,14 @@ class Channel(Protocol):
 
 class ControlClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
-                 curve: CurveKeys | None = None, channel: Channel | None = None, spin_s: float = 0.0) -> None:
+                 curve: CurveKeys | None = None, channel: Channel | None = None, spin_s: float = 0.0,
+                 local: bool = True) -> None:
         """`curve`: the deployment keypair; None takes it from the environment (CurveKeys.from_env),
         so the router and every CLI command speak CURVE where it is set. `channel`: another way to
         the same runner (its same-host socket); by default a ZMQ socket to `endpoint`. `spin_s`: how
-        long a request first waits for its reply without sleeping (see `poll_reply`)."""
+        long a request first waits for its reply without sleeping (see `poll_reply`). `local`:
+        without keys, ask a runner on this host over its same-host socket once its info names it
+        (a keyless runner serves claims, fills and its region's addresses only there)."""
         self.endpoint = endpoint
         self.curve = curve if curve is not None else CurveKeys.from_env()
         self.timeout_ms = int(timeout_s * 1000)
@@ -92,6 +96,8 @@ class ControlClient:
         self.on_late_reply: Callable[[m.Message], None] | None = None
         self._abandoned: set[int] = set()
         self.spin_s = spin_s
+        self.is_local = isinstance(channel, LocalChannel)
+        self._find_local = local and channel is None and self.curve is None and endpoint.startswith("tcp://")
 
     def close(self, linger_ms: int = 0) -> None:
         """With `linger_ms`, messages already sent still leave for that long."""
@@ -129,8 +135,40 @@ class ControlClient:
             if self.on_late_reply is not None:
                 self.on_late_reply(reply)
 
+    def go_local(self, path: str) -> bool:
+        """Ask over the runner's same-host socket at `path` from now on; False (staying on ZMQ)
+        when it cannot be reached or another user serves it. Only before the first claim: a claim
+        belongs to the connection it came on."""
+        self._find_local = False
+        if self.is_local:
+            return True
+        try:
+            channel = LocalChannel(path, self.timeout_ms / 1000)
+        except OSError:
+            return False
+        self._channel.close()
+        self._channel, self.is_local = channel, True
+        return True
+
+    def _go_local_if_keyless(self) -> None:
+        """Before the first request: the runner's public info says whether it has a same-host
+        socket we can use (it is on this host). No answer raises TimeoutError, as the request would."""
+        request_id = next(self._ids)
+        self._channel.send(m.encode(m.InfoRequest(), request_id=request_id, incarnation=self.incarnation))
+        reply = self.poll_reply(request_id, self.timeout_ms)
+        if reply is None:
+            self._channel.reset()
+            raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_ms} ms")
+        info = reply.info if isinstance(reply, m.Info) else {}
+        path = info.get("endpoints", {}).get("local_control", "")
+        if path and info.get("host_id") and info.get("host_id") == host_id():
+            self.go_local(path)
+        self._find_local = False
+
     def send(self, msg: m.Message) -> int:
         """Send a request without waiting; returns its id for poll_reply."""
+        if self._find_local:
+            self._go_local_if_keyless()
         request_id = next(self._ids)
         self._channel.send(m.encode(msg, request_id=request_id, incarnation=self.incarnation))
         return request_id

@@ -179,6 +179,7 @@ class RunnerConfig:
     pull_abandon_s: float = 5.0
     control_timeout_s: float = 2.0     # a peer's answer to info and claim requests
     unreachable_backoff_s: float = 5.0  # a peer that did not answer is skipped this long (doubling, x16 at most)
+    reach_probe_s: float = 0.25    # meanwhile it is probed this often, and the first answer ends the back-off
     peers: tuple[str, ...] = ()    # control endpoints this runner may pull from; ("*",) = any
     verify_transfer_bytes: bool = False  # check an xxh3 digest of every pulled page
     transfer: str = "get"          # "get" (UCX RMA), "tag" (two-sided fallback), "shm" or "auto" (same host)
@@ -365,6 +366,7 @@ def _validate(cfg: Config) -> None:
     _require(0 <= r.copy_threads <= 64, f"runner.copy_threads = {r.copy_threads} must be in 0..64 (0: one per core)")
     _require(r.transfer in ("get", "tag", "shm", "auto"),
              f"runner.transfer = {r.transfer!r} must be one of get, tag, shm, auto")
+    _require(0 <= r.reach_probe_s <= 60, f"runner.reach_probe_s = {r.reach_probe_s} must be in 0..60 (0: no probes)")
     _require(0 <= r.reply_spin_us <= 100_000, f"runner.reply_spin_us = {r.reply_spin_us} must be in 0..100000")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,

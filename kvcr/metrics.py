@@ -82,6 +82,9 @@ class RunnerCollector:
         yield CounterMetricFamily("kvcr_control_local_refused",
                                   "Same-host control connections refused: another user's process",
                                   value=ctl.num_local_refused)
+        yield CounterMetricFamily("kvcr_control_unauthenticated_refused",
+                                  "Requests that read, write or address pages refused over the TCP socket of a "
+                                  "runner without keys", value=ctl.num_refused_unauthenticated)
 
 
     @staticmethod
@@ -172,6 +175,9 @@ class RunnerCollector:
         yield CounterMetricFamily("kvcr_peer_skipped_unreachable",
                                   "Pulls not tried: the source had not answered lately (backing off)",
                                   value=pulls.skipped_unreachable)
+        yield CounterMetricFamily("kvcr_peer_recovered",
+                                  "Back-offs ended early: a background probe found the source answering again",
+                                  value=pulls.recovered)
         yield CounterMetricFamily("kvcr_pull_untrusted_refused", "Pulls refused: the source is not a trusted peer",
                                   value=pulls.refused_untrusted)
         yield CounterMetricFamily("kvcr_control_unauthenticated",

@@ -32,6 +32,7 @@ class PullStatistics:
     digest_mismatches: int
     unreachable: int          # claims or info requests a peer did not answer
     skipped_unreachable: int  # pulls not tried: the source was backing off
+    recovered: int            # back-offs ended early: a probe found the source answering again
     refused_untrusted: int
     hinted_hashes: int        # block hashes held from posted hints
 
@@ -125,7 +126,7 @@ class PeerPulls:
         with self._lock:
             return PullStatistics(self._pulled, self._uncertain, p.num_digest_mismatches if p else 0,
                                   p.reach.num_failures if p else 0, p.reach.num_skipped if p else 0,
-                                  p.num_refused_untrusted if p else 0, len(self._hints))
+                                  p.reach.num_recovered if p else 0, p.num_refused_untrusted if p else 0, len(self._hints))
 
     def close(self) -> None:
         if self.puller is not None:

@@ -51,7 +51,8 @@ class Service:
         self.pulls = PeerPulls(self.runner, puller)
         self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane,
                                      endpoint=cfg.runner.control_endpoint, info=self.info,
-                                     snapshot=self.snapshot, gate=self.gate,
+                                     snapshot=self.snapshot, gate=self.gate, public_info=self.public_info,
+                                     tcp_serves_region=cfg.secured or cfg.runner.insecure,
                                      local_path=socket_path(self.runner.region.path) if cfg.runner.local_control else "")
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
@@ -67,7 +68,7 @@ class Service:
         r, layouts = self.cfg.runner, self.runner.layouts
         return Puller(plane, {name: lay.namespace.fields() for name, lay in layouts.items()},
                       timeout_s=r.pull_timeout_s, abandon_s=r.pull_abandon_s, control_timeout_s=r.control_timeout_s,
-                      reach=Reachability(r.unreachable_backoff_s),
+                      reach=Reachability(r.unreachable_backoff_s, r.reach_probe_s),
                       trusted=None if "*" in r.peers else frozenset(r.peers), curve=self.cfg.curve(),
                       verify_transfer_bytes=self.cfg.page_digests, transport=r.transfer,
                       copy_threads=r.copy_threads, local_control=r.local_control, reply_spin_s=r.reply_spin_us / 1e6,
@@ -130,7 +131,8 @@ class Service:
 
     def public_info(self) -> dict:
         """info() without what addresses our region (UCX worker address, region base, rkeys): for
-        HTTP, the info file and logs. Those travel only in control replies, authenticated with CURVE."""
+        HTTP, the info file, logs and a keyless runner's TCP control socket. Those travel only in
+        control replies authenticated with CURVE, or over the same-host socket (our own user)."""
         info = self.info()
         if info["ucx"] is not None:
             info["ucx"] = {"registered_bytes": info["ucx"]["registered_bytes"]}

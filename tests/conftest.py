@@ -57,6 +57,20 @@ def runner_factory(tmp_path):
             proc.stop(signal.SIGTERM, timeout_s=10)  # killed if it does not stop in time
 
 
+@pytest.fixture(params=[False, True], ids=["idle", "cpu_hog"])
+def cpu_hog(request):
+    """Both cores kept busy by other processes for the whole test (or not): what a loaded host
+    does to the timings a behaviour rests on."""
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if request.param else 0)]
+    yield request.param
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, message: str = "condition"):
     """Poll until `predicate()` is truthy (returns it) or fail naming the condition."""
     deadline = time.monotonic() + timeout_s

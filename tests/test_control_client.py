@@ -40,7 +40,7 @@ def router():
 @pytest.mark.parametrize("spin_s", [0.0, 0.001, 5.0])
 def test_a_silent_peer_times_out_at_the_request_timeout_whatever_the_spin(router, spin_s):
     endpoint, _ = router
-    with ControlClient(endpoint, timeout_s=0.2, spin_s=spin_s) as client:
+    with ControlClient(endpoint, timeout_s=0.2, spin_s=spin_s, local=False) as client:
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="no reply"):
             client.request(m.ReleaseRequest(claim_id=1))
@@ -52,6 +52,6 @@ def test_a_silent_peer_times_out_at_the_request_timeout_whatever_the_spin(router
 def test_a_reply_is_taken_whether_it_comes_inside_the_spin_or_after_it(router, spin_s, delay_s):
     endpoint, state = router
     state["answer"] = lambda msg: time.sleep(delay_s) or m.Released(live=[True, False])
-    with ControlClient(endpoint, timeout_s=5.0, spin_s=spin_s) as client:
+    with ControlClient(endpoint, timeout_s=5.0, spin_s=spin_s, local=False) as client:
         for _ in range(3):
             assert client.request(m.ReleaseRequest(claim_id=1)).live == [True, False]

@@ -13,6 +13,7 @@ import pytest
 
 from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.proto import messages as m
+from kvcr.proto.pull import PeerError
 from tests.conftest import wait_until
 from tests.pages import pages_for
 
@@ -498,20 +499,28 @@ def test_an_unreachable_source_is_asked_once_then_skipped(runner_factory, reques
 
 # --- the same-host control socket ----------------------------------------------------------------
 
-@pytest.mark.parametrize("local_control", [True, False])
-def test_a_same_host_source_is_asked_over_its_unix_socket_unless_that_is_turned_off(runner_factory, puller,
-                                                                                     local_control):
+def test_a_same_host_source_is_asked_over_its_unix_socket(runner_factory, puller):
     a, ai = source(runner_factory)
     keys, _, data = store(ai, 8, seed=30)
-    puller.local_control, puller.transport = local_control, "shm"
+    puller.transport = "shm"
     before = metric_value(ai, "kvcr_control_local_requests_total")
     raw, dests = buffers(8)
     for _ in range(3):
         assert puller.pull(ai["endpoints"]["control"], "kv", keys, dests).delivered == 8
     assert raw.raw[:8 * PAGE] == b"".join(data)
     no_claims_left(ai)  # the releases came on the connection that holds the claims
-    local = metric_value(ai, "kvcr_control_local_requests_total") - before
-    assert local >= 6 if local_control else local == 0  # 3 claims and 3 releases
+    assert metric_value(ai, "kvcr_control_local_requests_total") - before >= 6  # 3 claims and 3 releases
+
+
+def test_a_keyless_source_is_not_pulled_from_over_tcp(runner_factory, puller):
+    a, ai = source(runner_factory)
+    keys, _, _ = store(ai, 4, seed=30)
+    puller.local_control = False  # its TCP info holds no region addresses, and claims there are refused
+    before = metric_value(ai, "kvcr_control_local_requests_total")
+    with pytest.raises(PeerError, match="has no keys"):
+        puller.confirm(ai["endpoints"]["control"], "kv", keys)
+    assert metric_value(ai, "kvcr_control_local_requests_total") == before
+    no_claims_left(ai)
 
 
 def _frame(payload: bytes) -> bytes:

@@ -3,6 +3,7 @@ the region), which exposures a runner refuses to start with, and a page changed 
 runner's back after its commit, which a pull in security mode never delivers."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import zmq
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.config import ConfigError, CurveKeys, check_hint_sources, load_config
 from kvcr.proto import messages as m
-from tests.conftest import wait_until
+from tests.conftest import ROOT, wait_until
 from tests.pages import pages_for
 
 PAGE = 64 * 1024
@@ -288,3 +289,66 @@ def test_a_worker_open_to_other_hosts_without_keys_refuses_to_start(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvcr.cli", "worker", "--host", "0.0.0.0", "--port", "0",
                            "--set", f"runner.state_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "runner.peers = \"*\" pulls from whatever source" in proc.stderr
+
+
+# --- a runner started with no security settings at all, on one host -----------------------------
+
+NOBODY = 65534
+_KEYLESS_ATTACK = """
+import json, os, sys
+from kvcr.client import ControlClient, ControlError
+from kvcr.proto import messages as m
+endpoint, uid, key, local = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+if uid:  # everything is imported: only the sockets below are opened as that user
+    os.setgid(uid); os.setuid(uid)
+requests = {"claim": m.ClaimRequest(pool="kv", keys=[key]),
+            "reserve": m.Reserve(pool="kv", keys=[key], writer_pid=os.getpid()),
+            "send_pages": m.SendPages(claim_id=1, address="00", ops=[[0, 4096, 0]]),
+            "remove": m.Remove(pool="kv", keys=[key])}
+out = {}
+with ControlClient(endpoint, timeout_s=5, local=local) as client:
+    info = client.info()
+    out["over_unix_socket"] = client.is_local
+    out["ucx"] = sorted(info["ucx"])
+    for name, msg in requests.items():
+        try:
+            out[name] = ("answered", repr(client.request(msg)))
+        except ControlError as exc:
+            out[name] = (exc.code, str(exc))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("attacker", ["same user over TCP", "another user"])
+def test_a_keyless_runners_tcp_socket_hands_nothing_that_reads_or_writes_its_pages(runner_factory, attacker):
+    from tests.test_peer import pull, read, start_pair, store, wait_registered
+
+    if attacker == "another user" and os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    a, ai, b, bi = start_pair(runner_factory)  # no keys, no insecure: the defaults
+    wait_registered(ai)
+    keys, _, data = store(ai, 4, seed=50)
+    # The same user's raw TCP client; another user tries the same-host socket first (refused by its mode).
+    uid, local = (0, "0") if attacker == "same user over TCP" else (NOBODY, "1")
+    out = subprocess.run([sys.executable, "-c", _KEYLESS_ATTACK, ai["endpoints"]["control"], str(uid), keys[0], local],
+                         capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["over_unix_socket"] is False
+    assert not set(SECRETS) & set(got["ucx"])  # no worker address, region base or rkeys: no GET, no PUT
+    for name in ("claim", "reserve", "send_pages", "remove"):
+        code, message = got[name]
+        assert code == "unauthenticated" and "runner.keys_dir" in message, (name, got[name])
+    # The legitimate readers, over the same-host socket: this process's attached reader, and a peer runner.
+    assert read(ai, keys) == data
+    assert pull(bi, ai, keys) == 4 and read(bi, keys) == data
+    status, body = http_get(ai["endpoints"]["http"] + "/metrics")
+    assert b"kvcr_control_unauthenticated_refused_total 4.0" in body
+
+
+def test_a_keyless_runner_named_insecure_serves_region_requests_over_tcp(runner_factory):
+    a = runner_factory("a", **{"dram.pools": POOLS, "runner.insecure": True})
+    info = a.start()
+    with ControlClient(info["endpoints"]["control"], local=False) as client:
+        wait_until(lambda: client.info()["ucx"].get("rkeys"), 10, 0.05, "UCX registration")
+        assert client.request(m.ClaimRequest(pool="kv", keys=["00" * 32])).offsets == []

@@ -74,9 +74,13 @@ class LocalChannel:
         sock.settimeout(self._timeout_s)
         try:
             sock.connect(self.path)
+            _, uid, _ = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
         except OSError:
             sock.close()
             raise
+        if uid not in (os.getuid(), 0):  # another user's socket could hand us its own bytes as a peer's
+            sock.close()
+            raise PermissionError(f"{self.path} is served by uid {uid}, not by us ({os.getuid()}) or root")
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         return sock

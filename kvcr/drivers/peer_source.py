@@ -49,6 +49,9 @@ class PeerSource:
         ucx = info.get("ucx")
         if not ucx or "ucx_get" not in info.get("capabilities", []):
             raise PeerError(f"{endpoint} does not serve UCX pulls")
+        if "rkeys" not in ucx:
+            raise PeerError(f"{endpoint} has no keys: it serves pulls only over its same-host socket, to its own "
+                            "user (docs/security.md)")
         terms = SourceTerms(info["incarnation"], {p["name"]: p["page_bytes"] for p in info["pools"]},
                             tuple((off, length) for off, length, _ in ucx["rkeys"]), "move" in info["capabilities"])
         return cls(endpoint, client, terms, bytes.fromhex(ucx["address"]), ucx["region_base"],
@@ -56,19 +59,14 @@ class PeerSource:
                    info.get("shm_path", ""), info.get("host_id", ""),
                    info.get("endpoints", {}).get("local_control", ""))
 
-    def go_local(self, timeout_s: float) -> None:
+    def go_local(self) -> None:
         """On its host, ask it over its Unix socket from now on: no ZMQ I/O threads in a claim's
         round trip. Only before the first claim (a claim belongs to the connection it came on)."""
         if not self.local_control or not self.on_same_host():
             return
-        try:
-            channel = LocalChannel(self.local_control, timeout_s)
-        except OSError as exc:
-            log.info("%s: its same-host socket %s refused us (%s): asking over %s", self.endpoint,
-                     self.local_control, exc, self.endpoint)
-            return
-        self.client.close()
-        self.client = ControlClient(self.endpoint, timeout_s=timeout_s, channel=channel, spin_s=self.client.spin_s)
+        if not self.client.go_local(self.local_control):
+            log.info("%s: its same-host socket %s refused us: asking over %s", self.endpoint, self.local_control,
+                     self.endpoint)
 
     @property
     def incarnation(self) -> str:

@@ -31,6 +31,7 @@ from ..proto.pull import (Action, BackOff, ClaimAgain, DigestMismatch, Finish, F
 from ..proto.reach import Reachability
 from .memcopy import Copier
 from .peer_source import PeerSource
+from .prober import Prober
 from .transports import RmaGets, SameHostCopies, TaggedSends, Transport
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ RELEASE_TIMEOUT_S = 0.5
 SENDER_WAIT_S = 0.01  # the release sender's wait for one source's socket before it looks at others
 LATE_POLL_S = 0.2     # how often a timed-out claim's socket is read for the late grant
 
-__all__ = ["Confirmation", "PeerError", "PeerSource", "PullResult", "Puller"]
+__all__ = ["Confirmation", "PeerError", "PeerSource", "PullResult", "Puller", "Reachability"]
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Puller:
     # Claims and info requests: a source that answers takes milliseconds; one that does not must
     # not hold the engine's prefetch thread for a transfer's deadline.
     control_timeout_s: float = 2.0
+    # A source that did not answer is skipped (a miss) during its back-off, and probed in the
+    # background meanwhile: the first answer ends the back-off (docs/reliability.md).
     reach: Reachability = field(default_factory=Reachability)
     lease_s: float = 0.0
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
@@ -101,6 +104,8 @@ class Puller:
     num_refused_untrusted: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _reach_lock: threading.Lock = field(default_factory=threading.Lock)
+    _prober: Prober = field(init=False)
     _copier: Copier = field(init=False)
     _sender: ThreadPoolExecutor = field(init=False)
     _transports: dict[str, Transport] = field(init=False)
@@ -110,6 +115,9 @@ class Puller:
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvcr-release")
         self._transports = {"get": RmaGets(self.plane), "tag": TaggedSends(self.plane),
                             "shm": SameHostCopies(self._copier)}
+        # A probe waits a few intervals: the source's port may open while it is on its way.
+        self._prober = Prober(self.reach, self._reach_lock, curve=self.curve, on_answer=self._came_back,
+                              timeout_s=min(self.control_timeout_s, max(4 * self.reach.probe_s, 0.25)))
 
     # --- sources --------------------------------------------------------------------------------
 
@@ -124,14 +132,15 @@ class Puller:
             return src
 
     def _connect(self, endpoint: str) -> PeerSource:
-        client = ControlClient(endpoint, timeout_s=self.control_timeout_s, curve=self.curve, spin_s=self.reply_spin_s)
+        client = ControlClient(endpoint, timeout_s=self.control_timeout_s, curve=self.curve, spin_s=self.reply_spin_s,
+                               local=self.local_control)
         try:
             src = PeerSource.describe(endpoint, client, client.info())
         except BaseException:
             client.close()
             raise
         if self.local_control:
-            src.go_local(self.control_timeout_s)
+            src.go_local()
         src.client.on_late_reply = functools.partial(self._late_reply, src)
         return src
 
@@ -140,6 +149,24 @@ class Puller:
         release = late_grant_release(reply)
         if release is not None:  # we hold src.lock: it goes out as the socket is let go
             src.releases.append(m.ReleaseRequest(claim_id=release.claim_id, quiet=True))
+
+    def _went_down(self, endpoint: str) -> float:
+        """`endpoint` did not answer: skipped until the returned time, unless a probe finds it sooner."""
+        with self._reach_lock:
+            until = self.reach.failed(endpoint, time.monotonic())
+        self._prober.wake()
+        return until
+
+    def _answered(self, endpoint: str) -> None:
+        with self._reach_lock:
+            self.reach.answered(endpoint)
+
+    def _came_back(self, endpoint: str, info: dict) -> None:
+        """A probe's answer: a connection made to an earlier incarnation would only fail its next claim."""
+        with self._lock:
+            src = self._sources.get(endpoint)
+        if src is not None and src.incarnation != info.get("incarnation"):
+            self._forget_source(src)
 
     def forget(self, endpoint: str) -> None:
         with self._lock:
@@ -164,14 +191,15 @@ class Puller:
     def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> Confirmation | None:
         """Claim the leading pages at the source. None when it has none, is busy or cannot be
         reached (a miss); PeerError when it must not be used (untrusted, another namespace)."""
-        if not self.reach.allow(endpoint, time.monotonic()):
+        with self._reach_lock:
+            allowed = self.reach.allow(endpoint, time.monotonic())
+        if not allowed:
             return None  # it did not answer lately: a miss now, not another wait
         for retried in (False, True):
             try:
                 src = self.source(endpoint)
             except (TimeoutError, OSError, ControlError) as exc:
-                log.info("peer %s unreachable (skipped until %.1f): %s", endpoint,
-                         self.reach.failed(endpoint, time.monotonic()), exc)
+                log.info("peer %s unreachable (skipped until %.1f): %s", endpoint, self._went_down(endpoint), exc)
                 return None
             terms = PullTerms(pool, len(page_hexes), self.page_bytes.get(pool), self.verify_transfer_bytes,
                               self.lease_s, retried)
@@ -183,10 +211,10 @@ class Puller:
                                                           namespace=self.namespaces.get(pool, {}),
                                                           digests=self.verify_transfer_bytes))
             except ControlError as exc:
-                self.reach.answered(endpoint)
+                self._answered(endpoint)
                 actions = pull.claim_refused(exc.code, str(exc))
             except m.ProtocolError as exc:  # an answer we cannot read: a grant in it ends by its lease
-                self.reach.answered(endpoint)
+                self._answered(endpoint)
                 actions = pull.claim_refused("bad_reply", f"unreadable claim reply: {exc}")
             except TimeoutError:
                 actions = pull.claim_timed_out(time.monotonic())
@@ -195,7 +223,7 @@ class Puller:
                 self._forget_source(src)
                 actions = pull.claim_timed_out(time.monotonic())
             else:
-                self.reach.answered(endpoint)
+                self._answered(endpoint)
                 actions = pull.granted(reply, time.monotonic())
             outcome = self._perform(src, pull, actions)
             if outcome is _AGAIN:
@@ -277,8 +305,7 @@ class Puller:
                 self.forget(src.endpoint)
                 return _AGAIN
             elif isinstance(action, BackOff):
-                log.info("claim at %s timed out (skipped until %.1f)", src.endpoint,
-                         self.reach.failed(src.endpoint, time.monotonic()))
+                log.info("claim at %s timed out (skipped until %.1f)", src.endpoint, self._went_down(src.endpoint))
                 self._await_late_grants(src, action.until)
             elif isinstance(action, Refuse):
                 raise PeerError(action.reason)
@@ -344,6 +371,7 @@ class Puller:
         poll()
 
     def close(self) -> None:
+        self._prober.close()
         self._sender.shutdown(wait=True)  # releases already handed over still go out
         for endpoint in list(self._sources):
             self.forget(endpoint)

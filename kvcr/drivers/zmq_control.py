@@ -18,7 +18,7 @@ from ..proto import messages as m
 from ..proto.announce import Announce
 from ..proto.claims import MAX_LEASE_S, ClaimError
 from ..proto.hints import parse_envelope
-from ..proto.control import Lane, lane_for
+from ..proto.control import Lane, lane_for, unauthenticated_refusal
 from ..proto.keys import StorageKey
 from ..proto.pool import Page, PoolError
 from ..proto.pull import NoPuller, PeerError
@@ -58,8 +58,14 @@ def _check_lease(lease_s: float) -> None:
 class ControlServer:
     def __init__(self, ctx: zmq.Context, runner: Runner, pulls: PeerPulls, plane: UcxPlane | None, *, endpoint: str,
                  info: Callable[[], dict], snapshot: Callable[[], tuple[int, list]],
-                 gate: CurveGate | None = None, local_path: str = "") -> None:
+                 gate: CurveGate | None = None, local_path: str = "", public_info: Callable[[], dict] | None = None,
+                 tcp_serves_region: bool | None = None) -> None:
+        """`public_info`: info without what addresses the region. `tcp_serves_region`: whether the
+        ZMQ socket answers requests that read, write or address the region (default: with CURVE
+        only); when not, only the same-host socket does (docs/security.md)."""
         self._gate = gate
+        self._public_info = public_info or info
+        self.tcp_serves_region = gate is not None if tcp_serves_region is None else tcp_serves_region
         self._local_path = local_path
         self.local_path = ""  # where same-host peers connect, once listening ("" when not)
         self._ctx = ctx
@@ -73,6 +79,7 @@ class ControlServer:
         self.num_requests = 0
         self.num_rejected = 0
         self.num_local_requests = 0  # of num_requests, over the same-host socket
+        self.num_refused_unauthenticated = 0  # region requests refused over an unauthenticated socket
         self._listener: LocalListener | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -194,7 +201,7 @@ class ControlServer:
             log.info("local control peer %s dropped: %s", conn.owner, exc)
             return False
         self.num_local_requests += 1
-        self._serve(payload, conn.owner, conn.reply)
+        self._serve(payload, conn.owner, conn.reply, trusted=True)
         return not conn.closed
 
     def _serve_one(self, sock: zmq.Socket) -> None:
@@ -209,10 +216,11 @@ class ControlServer:
             reply(self._encoded(0, self._error_reply(
                 m.ProtocolError(f"expected [payload] or [empty, payload] frames, got {len(frames) - 1}"))))
             return
-        self._serve(frames[-1], _owner(ident), reply)
+        self._serve(frames[-1], _owner(ident), reply, trusted=self.tcp_serves_region)
 
-    def _serve(self, payload: bytes, owner: str, reply: Reply) -> None:
-        """Decode, answer now or on a worker thread (`reply` then runs on this loop's thread)."""
+    def _serve(self, payload: bytes, owner: str, reply: Reply, *, trusted: bool) -> None:
+        """Decode, answer now or on a worker thread (`reply` then runs on this loop's thread).
+        `trusted`: the peer may read, write and address the region (CURVE, or our own user)."""
         self.num_requests += 1
         request_id = 0
         try:
@@ -227,6 +235,13 @@ class ControlServer:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.ProtocolError(f"{msg.TYPE} is not a request", code="unknown_type")
+            if not trusted:
+                refusal = unauthenticated_refusal(msg, self.local_path)
+                if refusal:
+                    self.num_refused_unauthenticated += 1
+                    raise m.ProtocolError(refusal, code="unauthenticated")
+                if isinstance(msg, m.InfoRequest):
+                    handler = self._on_public_info
             lane = lane_for(msg, self.runner.nvme.disks)
             if lane is not Lane.INLINE:
                 pool = self._slow if lane is Lane.SLOW else self._serving
@@ -274,6 +289,9 @@ class ControlServer:
 
     def _on_info(self, msg: m.InfoRequest, owner: str) -> m.Message:
         return m.Info(info=self._info())
+
+    def _on_public_info(self, msg: m.InfoRequest, owner: str) -> m.Message:
+        return m.Info(info=self._public_info())
 
     def _on_lookup(self, msg: m.Lookup, owner: str) -> m.Message:
         keys = self._keys(msg.pool, msg.keys)

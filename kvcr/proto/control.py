@@ -26,3 +26,19 @@ def lane_for(msg: m.Message, disk_pools: Container[str]) -> Lane:
     if isinstance(msg, m.ClaimRequest) and (msg.digests or msg.pool in disk_pools):
         return Lane.SERVING  # digests read every page; an NVMe page is staged into DRAM first
     return Lane.INLINE
+
+
+# What reads or writes the region, or addresses it: over a socket that authenticates nobody (a
+# keyless runner's TCP control) these are refused, and info leaves out the UCX address, region
+# base and rkeys. Same-host peers get them over the Unix socket (this user only, SO_PEERCRED).
+REGION_REQUESTS = (m.ClaimRequest, m.Renew, m.ReleaseRequest, m.Reserve, m.Commit, m.ReserveShard,
+                   m.CommitShard, m.SendPages, m.Remove)
+
+
+def unauthenticated_refusal(msg: m.Message, local_path: str) -> str:
+    """Why a request that came over an unauthenticated socket is refused ("" when it is not)."""
+    if not isinstance(msg, REGION_REQUESTS):
+        return ""
+    where = f"its same-host socket {local_path}" if local_path else "no socket (runner.local_control is off)"
+    return (f"{msg.TYPE} reads or writes pages: this runner has no keys, so it serves that only over {where}, "
+            "to processes of its own user; give it runner.keys_dir to serve it over TCP (docs/security.md)")
