@@ -33,7 +33,8 @@ with tempfile.TemporaryDirectory() as tmp:
     proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ))
     try:
         plane = UcxPlane(progress_thread=False)
-        puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r}, local_control={tls != "tcp"})
+        puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r}, local_control={tls != "tcp"},
+                        trusted=frozenset({{control}}))  # a keyless source over TCP: trusted by name
         total = pages * page_bytes
         dest = ctypes.create_string_buffer(ROTATION * total)  # zeroed
         expected = ctypes.create_string_buffer(b"".join(payload), total)

@@ -87,8 +87,10 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                                                                [os.urandom(page_bytes) for _ in range(pages)])
             try:
                 # TCP stands for another host: its claims go over ZMQ, not the same-host socket
-                puller = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp")
-                checking = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp",
+                # the source is named: a keyless source over TCP is pulled from only when trusted by name
+                trusted = frozenset({control})
+                puller = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp", trusted=trusted)
+                checking = Puller(plane, timeout_s=30, abandon_s=5, local_control=transport != "tcp", trusted=trusted,
                                   verify_transfer_bytes=True)  # the source's commit-time digests, checked
                 dest = ctypes.create_string_buffer(page_bytes * pages)
                 slots = list(range(pages))

@@ -137,10 +137,12 @@ def child(transport: str, repeats: int, iterations: int, spy: str) -> list[dict]
                 proc, control, keys, payload = start_filled_source(Path(tmp), page_bytes, pages, dict(os.environ))
                 try:
                     local = transport != "TCP"  # TCP stands for another host: claims over ZMQ
-                    puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local)
+                    trusted = frozenset({control})  # a keyless source over TCP: trusted by name
+                    puller = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local,
+                                    trusted=trusted)
                     checking = Puller(plane, timeout_s=30, abandon_s=5, transport="get", verify_transfer_bytes=True,
-                                      local_control=local)
-                    sleeping = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local,
+                                      local_control=local, trusted=trusted)
+                    sleeping = Puller(plane, timeout_s=30, abandon_s=5, transport="get", local_control=local, trusted=trusted,
                                       reply_spin_s=0)  # waits for replies asleep at once
                     dest = ctypes.create_string_buffer(pages * page_bytes)
                     dests = [ctypes.addressof(dest) + i * page_bytes for i in range(pages)]

@@ -69,7 +69,8 @@ class Service:
         return Puller(plane, {name: lay.namespace.fields() for name, lay in layouts.items()},
                       timeout_s=r.pull_timeout_s, abandon_s=r.pull_abandon_s, control_timeout_s=r.control_timeout_s,
                       reach=Reachability(r.unreachable_backoff_s, r.reach_probe_s),
-                      trusted=None if "*" in r.peers else frozenset(r.peers), curve=self.cfg.curve(),
+                      trusted=None if "*" in r.peers else frozenset(r.peers), insecure=r.insecure,
+                      curve=self.cfg.curve(),
                       verify_transfer_bytes=self.cfg.page_digests, transport=r.transfer,
                       copy_threads=r.copy_threads, local_control=r.local_control, reply_spin_s=r.reply_spin_us / 1e6,
                       page_bytes={n: lay.page_bytes for n, lay in layouts.items()})

@@ -57,6 +57,19 @@ def runner_factory(tmp_path):
             proc.stop(signal.SIGTERM, timeout_s=10)  # killed if it does not stop in time
 
 
+@pytest.fixture
+def puller():
+    """A puller in this process with the shipped back-off and probes, its own UCX worker."""
+    from kvcr.drivers.puller import Puller
+    from kvcr.drivers.ucx_plane import UcxPlane
+
+    plane = UcxPlane()
+    p = Puller(plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5)
+    yield p
+    p.close()
+    plane.close()
+
+
 @pytest.fixture(params=[False, True], ids=["idle", "cpu_hog"])
 def cpu_hog(request):
     """Both cores kept busy by other processes for the whole test (or not): what a loaded host

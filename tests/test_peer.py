@@ -125,18 +125,6 @@ def test_an_untrusted_source_is_refused(runner_factory):
 
 # --- the destination side in this process: stalls, kills, cancels ------------------------------------
 
-@pytest.fixture
-def puller():
-    from kvcr.drivers.ucx_plane import UcxPlane
-    from kvcr.drivers.puller import Puller
-
-    plane = UcxPlane()
-    p = Puller(plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5)
-    yield p
-    p.close()
-    plane.close()
-
-
 def buffers(n, fill=0xAB):
     raw = ctypes.create_string_buffer(bytes([fill]) * (n * PAGE))
     return raw, [ctypes.addressof(raw) + i * PAGE for i in range(n)]
@@ -520,6 +508,21 @@ def test_a_keyless_source_is_not_pulled_from_over_tcp(runner_factory, puller):
     with pytest.raises(PeerError, match="has no keys"):
         puller.confirm(ai["endpoints"]["control"], "kv", keys)
     assert metric_value(ai, "kvcr_control_local_requests_total") == before
+    no_claims_left(ai)
+
+
+def test_a_keyless_puller_trusts_a_source_answering_over_tcp_only_by_name(runner_factory, puller):
+    # Any local user can run a keyless source that answers over TCP (runner.insecure): its bytes
+    # would be stored under our keys. Without keys only the same-host socket (its user checked) vouches.
+    a, ai = source(runner_factory, **{"runner.insecure": True})
+    keys, _, data = store(ai, 4, seed=34)
+    endpoint = ai["endpoints"]["control"]
+    puller.local_control = False
+    with pytest.raises(PeerError, match="trusted only over its same-host socket"):
+        puller.confirm(endpoint, "kv", keys)
+    puller.trusted = frozenset({endpoint})
+    raw, dests = buffers(4)
+    assert puller.pull(endpoint, "kv", keys, dests).delivered == 4 and raw.raw[:4 * PAGE] == b"".join(data)
     no_claims_left(ai)
 
 

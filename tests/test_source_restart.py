@@ -26,23 +26,8 @@ def first_answer(endpoint: str, stop: threading.Event, seen: list[float]) -> Non
             return
 
 
-@pytest.fixture
-def default_puller():
-    """A puller with the shipped back-off (5 s, doubling) and probe interval."""
-    from kvcr.drivers.puller import Puller
-    from kvcr.drivers.ucx_plane import UcxPlane
-
-    plane = UcxPlane()
-    p = Puller(plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5)
-    yield p
-    p.close()
-    plane.close()
-
-
 @pytest.mark.parametrize("transport", ["get", "tag", "shm"])
-def test_a_restarted_source_is_pulled_from_within_a_second_of_answering(runner_factory, default_puller, transport,
-                                                                       cpu_hog):
-    puller = default_puller
+def test_a_restarted_source_is_pulled_from_within_a_second_of_answering(runner_factory, puller, transport, cpu_hog):
     puller.transport = transport
     a, ai = source(runner_factory)
     endpoint = ai["endpoints"]["control"]

@@ -89,6 +89,7 @@ class Puller:
     reach: Reachability = field(default_factory=Reachability)
     lease_s: float = 0.0
     trusted: frozenset[str] | None = None  # endpoints we may pull from; None: any
+    insecure: bool = False  # keyless sources over TCP too (runner.insecure); else only over their same-host socket
     curve: CurveKeys | None = None
     verify_transfer_bytes: bool = False  # per-page digest from the source, checked after the transfer
     page_bytes: dict[str, int] = field(default_factory=dict)  # our page size per pool: a source must match
@@ -141,6 +142,13 @@ class Puller:
             raise
         if self.local_control:
             src.go_local()
+        if self.curve is None and self.trusted is None and not self.insecure and not src.client.is_local:
+            # Nothing vouches for bytes from it: any local user could run a keyless source that
+            # answers over TCP and have us store its bytes under our keys.
+            src.close()
+            self.num_refused_untrusted += 1
+            raise PeerError(f"{endpoint} answered over TCP, and without keys a source is trusted only over its "
+                            "same-host socket (its user checked): set runner.keys_dir, or list it in runner.peers")
         src.client.on_late_reply = functools.partial(self._late_reply, src)
         return src
 
