@@ -18,6 +18,9 @@ SGLANG_NODEPS := apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors=
 # tokenizer manager and scheduler import these too.
 SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-client jsonschema xgrammar==0.2.9 \
 	soundfile
+# SGLang's own benchmark client (`python -m sglang.benchmark.serving`): its dataset package imports
+# Hugging Face's datasets at load, whatever the dataset.
+SGLANG_CLIENT_DEPS := datasets==5.2.0
 
 .PHONY: demo test setup sglang-setup dynamo-setup native-deps system-deps dynamo-system-deps bench bench-deps fuzz clean
 
@@ -47,7 +50,7 @@ $(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install '$(TORCH)'
 	$(PIP) download --no-deps '$(SGLANG)' -d $(VENV)/wheels
 	$(PIP) install --no-deps $(VENV)/wheels/sglang-0.5.23-*.whl
-	$(PIP) install $(SGLANG_DEPS) $(SGLANG_POOL_DEPS) $(SGLANG_SERVER_DEPS) '$(TORCH)'
+	$(PIP) install $(SGLANG_DEPS) $(SGLANG_POOL_DEPS) $(SGLANG_SERVER_DEPS) $(SGLANG_CLIENT_DEPS) '$(TORCH)'
 	$(PIP) install --no-deps $(SGLANG_NODEPS)
 	touch $@
 

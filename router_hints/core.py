@@ -115,15 +115,18 @@ class RouterCore:
         return n
 
     def route(self, tokens: list[int], *, lora_name: str | None = None, cache_salt: str | None = None,
-              pinned: Worker | None = None) -> Route:
+              pinned: Worker | None = None, excluded: frozenset[Worker] = frozenset()) -> Route:
         """The cheapest worker and a hint; `pinned` (an operator's override) fixes the target and
-        still gets the hint, so the pinned worker pulls what a peer holds."""
+        still gets the hint, so the pinned worker pulls what a peer holds. `excluded` workers (their
+        requests fail, or this request failed there) are neither target nor source."""
         seq = self.index.sequence_hashes(tokens, lora_name=lora_name, cache_salt=cache_salt)
         overlaps = self.index.overlaps(seq)
-        candidates = self.alive()
+        candidates = [w for w in self.alive() if w not in excluded or w == pinned]
         if not candidates:
             raise LookupError("no workers to route to: add publishers first" if not self.publishers else
-                              f"every worker is down: {sorted(self.liveness.dead)}")
+                              f"every worker is down: {sorted(self.liveness.dead)}" if not excluded else
+                              f"no worker left to route to: down {sorted(self.liveness.dead)}, failing "
+                              f"{sorted(excluded)}")
         if pinned is not None and pinned not in candidates:
             raise LookupError(f"pinned worker {pinned} is not a known worker" if pinned not in self.publishers
                               else f"pinned worker {pinned} is down (its events stopped)")

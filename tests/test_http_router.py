@@ -276,10 +276,11 @@ def test_a_failing_engine_is_passed_through_or_cut_never_answered_twice(runner_f
         front.wait_ready()
         code, _, body = http(front.url + "/generate", {"text": "hello there", "stream": True})
         assert code == status
+        # A refusal goes to the next worker; with none left, the client gets the worker's own answer.
         assert body == (b"busy" if mode == "refuse" else b'data: {"text": "par')  # nothing appended
-        assert engine.bodies and "kv_hints" not in engine.bodies[0]
+        assert len(engine.bodies) == 1 and "kv_hints" not in engine.bodies[0]  # sent once: no other worker
         metrics = http(front.url + "/metrics")[2].decode()
-        assert ('kvcr_router_upstream_errors_total{worker="s"} 1.0' in metrics) == (mode == "cut")
+        assert 'kvcr_router_upstream_errors_total{worker="s"} 1.0' in metrics
     finally:
         front.stop()
         engine.close()
@@ -420,15 +421,22 @@ def test_a_worker_is_dead_once_its_stream_is_silent_for_dead_after_s_and_revived
     assert {w for w, _ in live.dead} == expected["dead"] and revived == expected["revived"]
 
 
+def routed_pair(tmp_path, workers: list, **router_keys) -> tuple[list, object]:
+    """Start `workers`, then a router in front of them; both ready."""
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.wait_ready()
+    front = router(tmp_path, workers, **router_keys).start()
+    front.wait_ready()
+    return workers, front
+
+
 def test_a_silent_worker_is_dropped_from_routing_and_back_when_it_speaks_and_the_operator_edits_membership(tmp_path):
     import signal as sig
 
-    workers = [worker(tmp_path, f"m{i}").start() for i in range(2)]
-    for w in workers:
-        w.wait_ready()
-    front = router(tmp_path, workers, dead_after_s=2.0).start()
+    workers, front = routed_pair(tmp_path, [worker(tmp_path, f"m{i}") for i in range(2)], dead_after_s=2.0)
     try:
-        front.wait_ready()
         text = "Pages only m1 holds: while m1 is silent the router must not send them there. " * 4
         assert generate(front.url, text, headers={"X-KVCR-Target": "m1"})[0] == "m1"
         overlap_at = lambda: {r["worker"]: r["overlap"]["host"] for r in
@@ -500,3 +508,110 @@ def test_the_kvcr_workers_among_dynamos_model_cards_become_worker_entries():
         "a": ("wa", "http://10.0.0.1:8000", "", "kvcr-worker"),
         "b": ("sb", "http://10.0.0.2:30000", "http://10.0.0.2:9400", "sglang")}
     assert len(problems) == 1 and "generate/d kvcr_worker.url = 'ftp://x' must be an http:// URL" in problems[0]
+
+
+# --- the surface SGLang's and OpenAI's clients expect --------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/models", "/model_info", "/get_model_info"])
+def test_what_every_worker_answers_alike_is_answered_by_one_of_them(cluster, path):
+    front, workers = cluster
+    status, hdrs, routed = http(front.url + path)
+    assert status == 200
+    direct = http(next(w for w in workers if w.info["kvcr_runner"]["name"] == hdrs["X-KVCR-Worker"]).url + path)[2]
+    assert json.loads(routed) == json.loads(direct)
+
+
+def test_the_model_list_and_server_info_have_the_shapes_sglangs_client_reads(cluster):
+    front, workers = cluster
+    models = json.loads(http(front.url + "/v1/models")[2])
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    name = models["data"][0]["id"]
+    assert json.loads(http(front.url + f"/v1/models/{name}")[2])["id"] == name
+    status, _, body = http(front.url + "/v1/models/no-such-model")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    for path in ("/server_info", "/get_server_info"):
+        info = json.loads(http(front.url + path)[2])
+        assert info["model"] == name and "kvcr_runner" in info
+
+
+def test_health_and_health_generate_answer_while_a_worker_generates(cluster):
+    front, _ = cluster
+    assert http(front.url + "/health")[0] == 200
+    status, _, body = http(front.url + "/health_generate")
+    assert status == 200 and body.decode().count(": 200") == 2
+
+
+def test_flush_cache_empties_every_workers_cache(cluster):
+    front, workers = cluster
+    text = "A prompt both workers will hold before the flush empties them. " * 3
+    for w in workers:
+        generate(w.url, text)
+    for w in workers:
+        wait_until(lambda: json.loads(http(w.url + "/server_info")[2])["tiers"]["dram_pages"] > 0, 10, 0.05,
+                   "pages held")
+    status, _, body = http(front.url + "/flush_cache?timeout=30", {})
+    assert status == 200 and body.startswith(b"Cache flushed on all 2 workers.")
+    for w in workers:
+        assert json.loads(http(w.url + "/server_info")[2])["tiers"]["dram_pages"] == 0
+    assert http(front.url + "/flush_cache")[0] == 200  # GET, as SGLang also takes it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_client_completes_and_chats_through_the_router(cluster, stream):
+    import openai
+
+    front, _ = cluster
+    client = openai.OpenAI(base_url=front.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, stream=stream)
+    chat = client.chat.completions.create(model=model, max_tokens=6, stream=stream,
+                                          messages=[{"role": "user", "content": PROMPT}])
+    if stream:
+        text = "".join(c.choices[0].text for c in completion if c.choices)
+        said = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    else:
+        assert completion.usage.completion_tokens == 6 and chat.usage.completion_tokens == 6
+        text, said = completion.choices[0].text, chat.choices[0].message.content
+    assert text and said
+
+
+def held_by(front, name: str, text: str) -> None:
+    """`name` serves `text` (pinned) and the router's index then sends it there."""
+    assert generate(front.url, text, headers={"X-KVCR-Target": name})[0] == name
+    wait_until(lambda: json.loads(http(front.url + "/debug/index", {"text": text})[2])["choice"]["worker"] == name,
+               10, 0.05, f"{name}'s pages indexed")
+
+
+def test_a_worker_killed_while_requests_flow_costs_no_request_and_is_routed_to_again_once_back(tmp_path):
+    import signal as sig
+
+    from kvcr.demo.procs import Child
+    from sglang_adapter.cpu_harness.server import free_port
+
+    workers, front = routed_pair(tmp_path, [worker(tmp_path, "k0"), worker(tmp_path, "k1", "--port", str(free_port()))],
+                                 health_interval_s=0.2)
+    try:
+        prefix = "A long shared prefix that only k1 holds, so the router sends this flow to k1. " * 4
+        held_by(front, "k1", prefix)
+        seen = []
+        for i in range(30):
+            if i == 5:  # mid-flow, before its event stream is missed: requests routed to it go to k0 instead
+                workers[1].proc.send_signal(sig.SIGKILL)
+                workers[1].proc.wait(10)
+            seen.append(generate(front.url, f"{prefix} Question {i}?")[0])  # asserts 200: no request fails
+        assert seen[:5] == ["k1"] * 5 and set(seen[5:]) == {"k0"}
+        metrics = http(front.url + "/metrics")[2].decode()
+        assert 'kvcr_router_breaker_trips_total{worker="k1"} 1.0' in metrics
+        assert not [line for line in metrics.splitlines() if line.startswith("kvcr_router_failed_requests_total{")]
+        back = Child(tmp_path, "k1-again", workers[1].args[3:-2]).start()  # same name and port, a new runner
+        workers.append(back)
+        back.wait_ready()
+        alive = lambda: {w["name"]: w["alive"] for w in json.loads(http(front.url + "/workers")[2])}
+        failing = lambda: "kvcr_router_workers_failing 0.0" in http(front.url + "/metrics")[2].decode()
+        wait_until(lambda: alive() == {"k0": True, "k1": True} and failing(), 30, 0.2, "k1 routed to again")
+        text = "Pages only the restarted k1 holds: the router must send this prompt back there. " * 4
+        held_by(front, "k1", text)
+        assert generate(front.url, text)[0] == "k1"
+    finally:
+        for p in [front, *workers]:
+            p.stop()

@@ -128,7 +128,10 @@ class Worker:
                         web.post("/v1/chat/completions", self._route("chat")),
                         web.get("/health", self.health), web.get("/health_generate", self.health),
                         web.get("/server_info", self.server_info), web.get("/get_server_info", self.server_info),
-                        web.get("/v1/models", self.models), web.get("/metrics", self.metrics),
+                        web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
+                        web.get("/model_info", self.model_info), web.get("/get_model_info", self.model_info),
+                        web.get("/flush_cache", self.flush_cache), web.post("/flush_cache", self.flush_cache),
+                        web.get("/metrics", self.metrics),
                         web.get("/info", self.server_info), web.get("/kvcr/served/{rid}", self.served_request)])
         return app
 
@@ -168,8 +171,32 @@ class Worker:
         while len(self.served) > SERVED_KEPT:
             self.served.popitem(last=False)
 
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "root": self.model_name, "owned_by": "kvcr",
+                "max_model_len": self.engine.model.cfg.max_positions}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_name:
+            return web.json_response({"error": {"message": f"The model '{request.match_info['model']}' does not exist",
+                                                "type": "invalid_request_error", "param": "model",
+                                                "code": "model_not_found"}}, status=404)
+        return web.json_response(self._card())
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_name, "served_model_name": self.model_name,
+                                  "tokenizer_path": None, "is_generation": True,
+                                  "model_type": "kvcr-tiny", "architectures": [type(self.engine.model).__name__]})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Its only cache is its runner: dropped whole, as SGLang's flush_cache (refused, with the
+        same 400, while requests run)."""
+        if self.inflight:
+            return web.Response(status=400, text=f"Flush cache failed: {self.inflight} requests are running.\n")
+        removed = await asyncio.to_thread(self.service.runner.clear, POOL)
+        return web.Response(text=f"Cache flushed ({removed} pages).\n")
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -42,6 +42,10 @@ class RouterConfig:
     discovery_dir: str   # info files `kvcr worker --info-file` writes there join (and, removed, leave)
     dynamo_discovery: str  # Dynamo's etcd (http://HOST:2379): the kvcr workers registered there join and leave
     dynamo_namespace: str  # the Dynamo namespace they register in
+    max_retries: int       # a request whose worker failed before its first byte goes to the next best, this often
+    retry_backoff_s: float  # the wait before a retry, doubling per retry
+    breaker_failures: int  # failures in a row that take a worker out of routing (a refused connection: one)
+    health_interval_s: float  # how often a worker out of routing (or whose events stopped) is health-checked
     cost: CostModel
     workers: tuple[WorkerEntry, ...]
 
@@ -67,7 +71,9 @@ def _section(raw: Any, key: str, spec: dict[str, tuple[type, Any]]) -> dict:
 ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (int, 16), "tokenizer": (str, ""),
                "model": (str, "kvcr"), "request_timeout_s": (float, 600.0), "attach_hints": (bool, True),
                "post_hints": (bool, True), "operator_token": (str, ""), "dead_after_s": (float, 5.0),
-               "discovery_dir": (str, ""), "dynamo_discovery": (str, ""), "dynamo_namespace": (str, "kvcr")}
+               "discovery_dir": (str, ""), "dynamo_discovery": (str, ""), "dynamo_namespace": (str, "kvcr"),
+               "max_retries": (int, 2), "retry_backoff_s": (float, 0.05), "breaker_failures": (int, 3),
+               "health_interval_s": (float, 1.0)}
 WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
                "engine": (str, "kvcr-worker"), "runner_token": (str, "")}
 COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
@@ -112,6 +118,14 @@ def parse_router_config(raw: dict) -> RouterConfig:
         raise RouterConfigError(f"router.port = {r['port']} is not a port")
     if r["dead_after_s"] < 0:
         raise RouterConfigError(f"router.dead_after_s = {r['dead_after_s']} must be >= 0 (0: never)")
+    if not 0 <= r["max_retries"] <= 10:
+        raise RouterConfigError(f"router.max_retries = {r['max_retries']} must be in 0..10")
+    if not 0 <= r["retry_backoff_s"] <= 10:
+        raise RouterConfigError(f"router.retry_backoff_s = {r['retry_backoff_s']} must be in 0..10")
+    if r["breaker_failures"] < 1:
+        raise RouterConfigError(f"router.breaker_failures = {r['breaker_failures']} must be >= 1")
+    if not 0 < r["health_interval_s"] <= 60:
+        raise RouterConfigError(f"router.health_interval_s = {r['health_interval_s']} must be in (0, 60]")
     if r["operator_token"] and len(r["operator_token"]) < 16:
         raise RouterConfigError("router.operator_token must be at least 16 characters")
     return RouterConfig(**r, cost=cost, workers=entries)

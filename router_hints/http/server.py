@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,7 @@ from kvcr.keys import client_http_token
 from kvcr.client import ControlClient, ControlError
 from kvcr.proto import messages as m
 
+from ..breaker import Breakers
 from ..core import Route, RouterCore
 from ..discovery import DiscoveryError, from_runner_info
 from ..index import Worker
@@ -36,6 +37,21 @@ from .dynamo_discovery import entries_from_cards, fetch_cards
 
 log = logging.getLogger(__name__)
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# What every worker answers alike: asked of one routable worker (the next, if it fails).
+ANY_WORKER_GETS = ("/v1/models", "/v1/models/{model:.+}", "/model_info", "/get_model_info", "/server_info",
+                   "/get_server_info")
+RETRYABLE_STATUS = frozenset({502, 503, 504})  # the worker (or a proxy before it) could not serve it
+HEALTH_TIMEOUT_S = 2.0
+FLUSH_TIMEOUT_S = 120.0  # SGLang's flush waits for running requests up to its `timeout`; ours waits a bit more
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A worker failed a request before the answer's first byte: it may still go elsewhere."""
+
+    reason: str
+    refused: bool  # nothing listened: the worker is gone or restarting
+    answer: tuple[int, str, bytes] | None = None  # the worker's own answer (status, content type, body), if any
 
 
 class RouterMetrics:
@@ -52,6 +68,16 @@ class RouterMetrics:
                                 registry=r)
         self.upstream_errors = Counter("kvcr_router_upstream_errors", "Requests a worker failed", ["worker"],
                                        registry=r)
+        self.retries = Counter("kvcr_router_retries", "Requests sent to another worker after this one failed before "
+                               "its first byte", ["worker"], registry=r)
+        self.failed = Counter("kvcr_router_failed_requests", "Requests answered 502/503: every try failed or no "
+                              "worker was left", ["route"], registry=r)
+        self.breaker_trips = Counter("kvcr_router_breaker_trips", "Times a worker was taken out of routing for "
+                                     "failing requests", ["worker"], registry=r)
+        self.health_checks = Counter("kvcr_router_health_checks", "Health checks of workers out of routing or "
+                                     "silent, by outcome", ["worker", "outcome"], registry=r)
+        Gauge("kvcr_router_workers_failing", "Workers out of routing until their health check passes",
+              registry=r).set_function(lambda: len(app.breakers.open))
         self.route_seconds = Histogram("kvcr_router_route_seconds", "Tokenize + hash + score + hint time",
                                        buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r)
         Gauge("kvcr_router_index_blocks", "Blocks held in the index (all workers and tiers)",
@@ -82,6 +108,7 @@ class Router:
         self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost, dead_after_s=cfg.dead_after_s,
                                curve=CurveKeys.from_env())
         self.entries: dict[Worker, WorkerEntry] = {}
+        self.breakers = Breakers(cfg.breaker_failures)
         self.metrics = RouterMetrics(self)
         self._posting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcr-router-post")  # owns the sockets
         self._clients: dict[str, ControlClient] = {}
@@ -146,7 +173,10 @@ class Router:
 
     # --- routing ---------------------------------------------------------------------------------
 
-    def decide(self, tokens: list[int], pinned: str | None = None, cache_salt: str | None = None) -> Route:
+    def decide(self, tokens: list[int], pinned: str | None = None, cache_salt: str | None = None,
+               tried: frozenset[Worker] = frozenset()) -> Route:
+        """Where a request goes; workers whose requests fail (breaker open) and those this request
+        already failed on (`tried`) are left out, unless pinned."""
         start = time.perf_counter()
         self.core.poll(0)  # whatever arrived since the last tick
         worker = None
@@ -154,7 +184,7 @@ class Router:
             worker = next((w for w, e in self.entries.items() if e.name == pinned), None)
             if worker is None:
                 raise RequestError(f"X-KVCR-Target names no worker: {pinned!r}")
-        decision = self.core.route(tokens, pinned=worker, cache_salt=cache_salt)
+        decision = self.core.route(tokens, pinned=worker, cache_salt=cache_salt, excluded=tried | self.breakers.open)
         self.metrics.route_seconds.observe(time.perf_counter() - start)
         return decision
 
@@ -194,6 +224,9 @@ class Router:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
         app.add_routes([*(web.post(path, self._handler(route)) for route, path in PATHS.items()),
+                        *(web.get(path, self.to_any_worker) for path in ANY_WORKER_GETS),
+                        web.get("/flush_cache", self.flush_cache), web.post("/flush_cache", self.flush_cache),
+                        web.get("/health_generate", self.health_generate),
                         web.post("/debug/index", self.debug_index), web.get("/metrics", self.metrics_page),
                         web.get("/health", self.health), web.get("/workers", self.workers),
                         web.post("/admin/workers", self.admin_add), web.delete("/admin/workers/{name}", self.admin_remove)])
@@ -224,20 +257,61 @@ class Router:
             refusal = self.operator_refusal(request) if "X-KVCR-Target" in request.headers else ""
             if refusal:
                 return web.json_response({"error": {"message": f"X-KVCR-Target: {refusal}"}}, status=403)
+            pinned = request.headers.get("X-KVCR-Target")
             try:
                 body, removed = front.strip_client_hints(await self._body(request))
                 tokens = request_tokens(body, route, self.tokenizer)
-                decision = self.decide(tokens, request.headers.get("X-KVCR-Target"), request_cache_salt(body))
+                salt = request_cache_salt(body)
+                decision = self.decide(tokens, pinned, salt)
             except RequestError as exc:
                 return web.json_response({"error": {"message": str(exc)}}, status=400)
             except LookupError as exc:  # every worker (or the pinned one) is down
+                self.metrics.failed.labels(route).inc()
                 return web.json_response({"error": {"message": str(exc)}}, status=503)
             self.metrics.stripped.inc(removed)
-            return await self._forward(request, route, body, tokens, decision)
+            return await self._forward(request, route, body, tokens, decision, salt, retry=pinned is None)
         return handle
 
-    async def _forward(self, request: web.Request, route: str, body: dict, tokens: list[int], decision: Route
-                       ) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, route: str, body: dict, tokens: list[int], decision: Route,
+                       salt: str | None, *, retry: bool) -> web.StreamResponse:
+        """Send it to the decision's worker; one that fails before the answer's first byte costs a
+        retry on the next best (bounded, with back-off), never a retry once bytes reached the client."""
+        tried: set[Worker] = set()
+        failures: list[str] = []
+        last: Failed | None = None
+        for attempt in range(1 + (self.cfg.max_retries if retry else 0)):
+            if attempt:
+                await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+                try:
+                    decision = self.decide(tokens, cache_salt=salt, tried=frozenset(tried))
+                except LookupError as exc:
+                    failures.append(str(exc))
+                    break
+            target = decision.choice.worker
+            outcome = await self._attempt(request, route, body, tokens, decision)
+            if not isinstance(outcome, Failed):
+                self.breakers.succeeded(target)
+                return outcome
+            tried.add(target)
+            failures.append(f"worker {self.entries[target].name}: {outcome.reason}")
+            self._count_failure(target, outcome)
+            last = outcome
+        self.metrics.failed.labels(route).inc()
+        if last is not None and last.answer is not None:  # the last worker's own refusal, as it gave it
+            status, content_type, raw = last.answer
+            return web.Response(status=status, body=raw, headers={"Content-Type": content_type})
+        return web.json_response({"error": {"message": "; ".join(failures)}}, status=502)
+
+    def _count_failure(self, target: Worker, outcome: Failed) -> None:
+        name = self.entries[target].name
+        self.metrics.upstream_errors.labels(name).inc()
+        self.metrics.retries.labels(name).inc()
+        if self.breakers.failed(target, refused=outcome.refused):
+            self.metrics.breaker_trips.labels(name).inc()
+            log.warning("worker %s taken out of routing until its health check passes: %s", name, outcome.reason)
+
+    async def _attempt(self, request: web.Request, route: str, body: dict, tokens: list[int], decision: Route
+                       ) -> web.StreamResponse | Failed:
         target = decision.choice.worker
         entry = self.entries[target]
         self._count(route, decision)
@@ -265,23 +339,30 @@ class Router:
         return body
 
     async def _relay(self, request: web.Request, entry: WorkerEntry, route: str, body: dict,
-                     booking: front.Booking) -> web.StreamResponse:
+                     booking: front.Booking) -> web.StreamResponse | Failed:
         """Forward the body; stream the answer back as it comes (a long generation has no total
-        deadline, only one per read)."""
+        deadline, only one per read). Nothing reaches the client before the worker's first byte,
+        so a failure until then is a `Failed` the caller may retry elsewhere."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.cfg.request_timeout_s)
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        headers = _auth(request)
         resp: web.StreamResponse | None = None
         try:
             async with self.session.post(entry.url.rstrip("/") + PATHS[route], json=body, timeout=timeout,
                                          headers=headers) as up:
+                if up.status in RETRYABLE_STATUS:
+                    raw = await up.read()
+                    return Failed(f"answered {up.status}: {raw[:200]!r}", refused=False,
+                                  answer=(up.status, up.headers.get("Content-Type", "text/plain"), raw))
+                chunk = await up.content.readany()
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
                 try:
                     await resp.prepare(request)
-                    async for chunk in up.content.iter_any():
+                    while chunk:
                         if not booking.prefilled:
                             front.prefill_done(self.core.loads, booking)
                         await resp.write(chunk)
+                        chunk = await up.content.readany()
                     await resp.write_eof()
                 except ConnectionError as exc:
                     # Writing to a client that left raises ConnectionError (or aiohttp's
@@ -291,12 +372,14 @@ class Router:
                     # Leaving `async with` closes the upstream connection: the worker aborts the request.
                     log.info("the client of a %s request on %s left mid-answer: %r", route, entry.name, exc)
                 return resp
+        except aiohttp.ClientConnectorError as exc:
+            return Failed(f"connection refused: {exc}", refused=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.metrics.upstream_errors.labels(entry.name).inc()
-            if resp is not None:  # the answer has started: it can only be cut short
-                log.warning("worker %s failed mid-answer: %r", entry.name, exc)
-                return resp
-            return web.json_response({"error": {"message": f"worker {entry.name} failed: {exc!r}"}}, status=502)
+            if resp is None:
+                return Failed(f"failed before answering: {exc!r}", refused=False)
+            self.metrics.upstream_errors.labels(entry.name).inc()  # the answer has started: it can only be cut short
+            log.warning("worker %s failed mid-answer: %r", entry.name, exc)
+            return resp
 
     def _count(self, route: str, decision: Route) -> None:
         self.metrics.decisions.labels(self.entries[decision.choice.worker].name, route).inc()
@@ -327,6 +410,111 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
+
+    # --- what SGLang's and OpenAI's clients ask besides requests ---------------------------------
+
+    def routable(self) -> list[Worker]:
+        """Workers that take requests now: events alive, breaker closed (in a stable order)."""
+        return [w for w in self.core.alive() if not self.breakers.is_open(w) and w in self.entries]
+
+    async def to_any_worker(self, request: web.Request) -> web.Response:
+        """The model list, model and server info: every worker answers them alike, so the first
+        routable worker that answers does (sglang-router asks its first worker too)."""
+        problems = []
+        for worker in self.routable():
+            entry = self.entries[worker]
+            try:
+                async with self.session.get(entry.url.rstrip("/") + request.path_qs, headers=_auth(request),
+                                            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)) as up:
+                    if up.status in RETRYABLE_STATUS:
+                        problems.append(f"{entry.name}: {up.status}")
+                        continue
+                    return web.Response(body=await up.read(), status=up.status, headers={
+                        "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                problems.append(f"{entry.name}: {exc!r}")
+        message = f"no worker answered {request.path}: {'; '.join(problems)}" if problems else "no routable worker"
+        return web.json_response({"error": {"message": message}}, status=503)
+
+    async def _ask_every_worker(self, request: web.Request, method: str, path: str, timeout_s: float,
+                                workers: list[Worker]) -> list[tuple[str, int, str]]:
+        """(worker name, status, body) from each of `workers` at once; status 0: no answer."""
+        async def ask(entry: WorkerEntry) -> tuple[str, int, str]:
+            try:
+                async with self.session.request(method, entry.url.rstrip("/") + path, headers=_auth(request),
+                                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as up:
+                    return entry.name, up.status, (await up.text()).strip()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return entry.name, 0, repr(exc)
+        return list(await asyncio.gather(*(ask(self.entries[w]) for w in workers)))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Every worker's cache, as SGLang's flush_cache: 200 when every worker flushed; 400, as
+        SGLang answers, when one refused because requests still run; 502 when one did not answer."""
+        answers = await self._ask_every_worker(request, "POST", request.path_qs, FLUSH_TIMEOUT_S, list(self.entries))
+        lines = "".join(f"{name}: {status or 'no answer'} {text}\n" for name, status, text in answers)
+        if all(status == 200 for _, status, _ in answers):
+            return web.Response(text=f"Cache flushed on all {len(answers)} workers.\n{lines}")
+        status = 502 if any(status == 0 for _, status, _ in answers) else 400
+        return web.Response(status=status, text=f"Cache not flushed on every worker.\n{lines}")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Healthy when a routable worker generates (SGLang's /health_generate on each, at once)."""
+        answers = await self._ask_every_worker(request, "GET", "/health_generate", self.cfg.request_timeout_s,
+                                               self.routable())
+        lines = "".join(f"{name}: {status or 'no answer'}\n" for name, status, _ in answers)
+        ok = any(status == 200 for _, status, _ in answers)
+        return web.Response(status=200 if ok else 503, text=lines or "no routable worker\n")
+
+    # --- taking failing workers out, and back ----------------------------------------------------
+
+    async def check_health(self) -> None:
+        """Workers out of routing (breaker open) or silent (events stopped) are health-checked every
+        health_interval_s; one that passes is routed to again, its runner found again if it moved."""
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            suspects = [w for w in list(self.entries) if self.breakers.is_open(w) or self.core.liveness.is_dead(w)]
+            try:
+                await asyncio.gather(*(self._check(w) for w in suspects))
+            except Exception:  # one bad pass must not stop the checks
+                log.exception("health checks failed; going on")
+
+    async def _check(self, worker: Worker) -> None:
+        entry = self.entries.get(worker)
+        if entry is None:
+            return
+        try:
+            async with self.session.get(entry.url.rstrip("/") + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as up:
+                passed = up.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            passed = False
+        self.metrics.health_checks.labels(entry.name, "passed" if passed else "failed").inc()
+        if not passed:
+            return
+        if self.core.liveness.is_dead(worker):
+            await self._find_again(worker, entry)
+        if self.breakers.health_passed(worker):
+            log.info("worker %s passed its health check: routed to again", entry.name)
+
+    async def _find_again(self, worker: Worker, entry: WorkerEntry) -> None:
+        """A restarted worker's runner may publish elsewhere now: follow its new endpoints."""
+        try:
+            info = await self._runner_info(entry)
+            publisher = from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
+        except (OSError, TimeoutError, aiohttp.ClientError, KeyError, DiscoveryError) as exc:
+            log.info("worker %s answers but its runner does not (yet): %s", entry.name, exc)
+            return
+        known = self.core.publishers.get(worker)
+        if known is not None and (known.events, known.replay, known.control) == \
+                (publisher.events, publisher.replay, publisher.control):
+            return  # same endpoints: its next batch revives it
+        self.core.remove(entry.name)
+        self.core.add(publisher)
+        self.entries[(publisher.worker_id, publisher.dp_rank)] = entry
+        await self.resync((publisher.worker_id, publisher.dp_rank))
+        log.info("worker %s: its runner moved; following events %s, control %s", entry.name, publisher.events,
+                 publisher.control)
 
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response([{"name": e.name, "url": e.url, "dp_rank": w[1], "alive": not self.core.liveness.is_dead(w),
@@ -387,6 +575,7 @@ class Router:
         self.core.remove(name)
         for worker in gone:
             del self.entries[worker]
+            self.breakers.forget(worker)
         log.info("worker %s left the routing", name)
 
     async def admin_add(self, request: web.Request) -> web.Response:
@@ -424,6 +613,11 @@ class Router:
         self.core.close()
 
 
+def _auth(request: web.Request) -> dict[str, str]:
+    """The client's credentials go to the worker as they came (SGLang's admin routes read them)."""
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
 def _entry_from_info_file(path: Path) -> WorkerEntry | None:
     """A `kvcr worker --info-file` file as a worker entry; None while it is partial or not one."""
     try:
@@ -446,6 +640,7 @@ async def serve(cfg: RouterConfig, info_file: str | None = None) -> None:
         await asyncio.gather(*(router.discover(e) for e in cfg.workers))
         follower = asyncio.create_task(router.follow_events())
         watchers = [asyncio.create_task(router.watch(source, where)) for source, where in router.discovery_sources()]
+        watchers.append(asyncio.create_task(router.check_health()))
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         url = f"http://{cfg.host}:{runner.addresses[0][1]}"
