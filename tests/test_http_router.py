@@ -222,6 +222,13 @@ class BrokenEngine:
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                if self.path.startswith("/flush_cache"):  # as SGLang answers while requests run
+                    text = b"Flush cache failed: requests are running.\n"
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(text)))
+                    self.end_headers()
+                    self.wfile.write(text)
+                    return
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 if mode == "refuse":
                     self.send_response(503)
@@ -281,6 +288,27 @@ def test_a_failing_engine_is_passed_through_or_cut_never_answered_twice(runner_f
         assert len(engine.bodies) == 1 and "kv_hints" not in engine.bodies[0]  # sent once: no other worker
         metrics = http(front.url + "/metrics")[2].decode()
         assert 'kvcr_router_upstream_errors_total{worker="s"} 1.0' in metrics
+    finally:
+        front.stop()
+        engine.close()
+
+
+def test_flush_cache_answers_400_as_sglang_does_when_a_worker_still_runs_requests(runner_factory, tmp_path, cluster):
+    from tests.cluster import Child
+
+    info = runner_factory("stubbed", **{"runner.block_size": 16}).start()
+    engine = BrokenEngine("refuse")
+    _, workers = cluster
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"port": 0}, "workers": [
+        {"name": "busy", "url": engine.url, "runner": info["endpoints"]["http"], "engine": "sglang"},
+        {"name": workers[0].info["kvcr_runner"]["name"], "url": workers[0].url}]}))
+    front = Child(tmp_path, "router-flush", ["router", "--config", str(cfg)]).start()
+    try:
+        front.wait_ready()
+        status, _, body = http(front.url + "/flush_cache", {})
+        assert status == 400 and b"busy: 400 Flush cache failed: requests are running." in body
+        assert b"w0: 200 Cache flushed" in body  # the other worker flushed
     finally:
         front.stop()
         engine.close()

@@ -450,12 +450,12 @@ class Router:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Every worker's cache, as SGLang's flush_cache: 200 when every worker flushed; 400, as
-        SGLang answers, when one refused because requests still run; 502 when one did not answer."""
+        SGLang answers, when one refused because requests still run; else 502 (one did not answer)."""
         answers = await self._ask_every_worker(request, "POST", request.path_qs, FLUSH_TIMEOUT_S, list(self.entries))
         lines = "".join(f"{name}: {status or 'no answer'} {text}\n" for name, status, text in answers)
         if all(status == 200 for _, status, _ in answers):
             return web.Response(text=f"Cache flushed on all {len(answers)} workers.\n{lines}")
-        status = 502 if any(status == 0 for _, status, _ in answers) else 400
+        status = 400 if any(status == 400 for _, status, _ in answers) else 502
         return web.Response(status=status, text=f"Cache not flushed on every worker.\n{lines}")
 
     async def health_generate(self, request: web.Request) -> web.Response:
