@@ -61,6 +61,23 @@ class RouterCore:
         if publisher.control:  # a kvcr runner: it heartbeats, so silence means it is gone
             self.liveness.watch(worker, self.clock())
 
+    def moved(self, publisher: Publisher) -> None:
+        """A known worker's runner publishes elsewhere now (it restarted on other ports): follow the
+        new endpoints; its load is kept (requests to it are still booked) and its inventory is
+        reloaded from its snapshot."""
+        worker = (publisher.worker_id, publisher.dp_rank)
+        if publisher.events_curve and self.curve is None:
+            raise DiscoveryError(f"worker {publisher.worker_id}: its runner's events speak CURVE and the router "
+                                 "holds no keys (set KVCR_KEYS_DIR, docs/security.md)")
+        name = f"{worker[0]}:{worker[1]}"
+        self.subscriber.remove(name)
+        self.publishers[worker] = publisher
+        self.subscriber.add(name, publisher.events, publisher.replay, self.curve if publisher.events_curve else None)
+        self.index.clear(worker)
+        if publisher.control:
+            self.liveness.watch(worker, self.clock())
+        self.needs_snapshot.add(worker)
+
     def remove(self, worker_id: str) -> None:
         """A worker that left: no longer a candidate, its blocks forgotten."""
         for worker in [w for w in self.publishers if w[0] == worker_id]:

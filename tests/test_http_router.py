@@ -235,6 +235,8 @@ class BrokenEngine:
                     self.send_header("Content-Length", "4")
                     self.end_headers()
                     self.wfile.write(b"busy")
+                elif mode == "silent":  # takes the request and answers nothing
+                    outer.closed.wait(30)
                 elif mode == "endless":  # streams until the router closes the connection
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -291,6 +293,30 @@ def test_a_failing_engine_is_passed_through_or_cut_never_answered_twice(runner_f
     finally:
         front.stop()
         engine.close()
+
+
+def test_a_worker_silent_past_the_request_timeout_is_not_retried_elsewhere(runner_factory, tmp_path):
+    # It may be a long generation: running it again would make the client wait that long again.
+    from tests.cluster import Child
+
+    engines = [BrokenEngine("silent"), BrokenEngine("silent")]
+    runners = [runner_factory(f"stubbed{i}", **{"runner.block_size": 16}).start() for i in range(2)]
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"port": 0, "request_timeout_s": 1.0}, "workers": [
+        {"name": f"slow{i}", "url": e.url, "runner": r["endpoints"]["http"], "engine": "sglang"}
+        for i, (e, r) in enumerate(zip(engines, runners))]}))
+    front = Child(tmp_path, "router-silent", ["router", "--config", str(cfg)]).start()
+    try:
+        front.wait_ready()
+        status, _, body = http(front.url + "/generate", {"text": "hello there"})
+        assert status == 504 and b"sent nothing within 1 s" in body
+        assert sum(len(e.bodies) for e in engines) == 1  # the other worker never got it
+    finally:
+        for e in engines:
+            e.closed.set()
+        front.stop()
+        for e in engines:
+            e.close()
 
 
 def test_flush_cache_answers_400_as_sglang_does_when_a_worker_still_runs_requests(runner_factory, tmp_path, cluster):

@@ -526,6 +526,42 @@ def test_a_keyless_puller_trusts_a_source_answering_over_tcp_only_by_name(runner
     no_claims_left(ai)
 
 
+def test_a_tcp_answer_naming_our_own_same_host_socket_cannot_supply_the_region_we_read(runner_factory, puller,
+                                                                                     tmp_path):
+    # A fake keyless source: its first answer names no same-host socket (we stay on TCP), its
+    # second names a real runner's socket with another region. What we read must come from the
+    # socket that vouches for its owner, never from that TCP answer.
+    import zmq
+
+    a, ai = source(runner_factory)
+    keys, _, data = store(ai, 4, seed=35)
+    with ControlClient(ai["endpoints"]["control"]) as client:
+        real = client.info()
+    theirs = tmp_path / "their-pool"  # a file of theirs we can read, as a pool would be
+    theirs.write_bytes(b"\xee" * (1 << 20))
+    forged = {**real, "shm_path": str(theirs), "ucx": {**real["ucx"], "region_base": 4096}}
+    answers = [{**real, "endpoints": {**real["endpoints"], "local_control": ""}}, forged]
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    fake = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def serve():
+        for answer in answers:
+            if not sock.poll(10_000):
+                return
+            ident, *_, payload = sock.recv_multipart()
+            sock.send_multipart([ident, b"", m.encode(m.Info(info=answer), request_id=m.decode(payload).request_id)])
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        src = puller.source(fake)
+        assert src.client.is_local and src.region_base == real["ucx"]["region_base"] and src.shm_path == real["shm_path"]
+        raw, dests = buffers(4)
+        assert puller.pull(fake, "kv", keys, dests).delivered == 4 and raw.raw[:4 * PAGE] == b"".join(data)
+    finally:
+        server.join(10)
+        sock.close()
+
+
 def _frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "little") + payload
 

@@ -31,22 +31,27 @@ class Prober:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def wake(self) -> None:
         """A source just went down: (re)schedule. Starts the thread on first use."""
         if self._closed:
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvcr-reach-probe", daemon=True)
-            self._thread.start()
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvcr-reach-probe", daemon=True)
+                self._thread.start()
         self._wake.set()
 
     def _run(self) -> None:
         while not self._closed:
-            with self._lock:
-                due = self._reach.probes_due(time.monotonic())
-            if due:
-                self._probe(due)
+            try:
+                with self._lock:
+                    due = self._reach.probes_due(time.monotonic())
+                if due:
+                    self._probe(due)
+            except Exception:  # one bad round (no sockets left, say) must not end recovery for every source
+                log.exception("probing down sources failed; trying again at the next interval")
             with self._lock:
                 next_at = self._reach.next_probe_at(time.monotonic())
             self._wake.wait(None if next_at is None else max(0.0, next_at - time.monotonic()))
@@ -55,11 +60,15 @@ class Prober:
     def _probe(self, endpoints: list[str]) -> None:
         clients: dict[str, tuple[ControlClient, int]] = {}
         for endpoint in endpoints:
-            # Over TCP even on this host: liveness needs only the public info.
-            client = ControlClient(endpoint, timeout_s=self._timeout_s, curve=self._curve, local=False)
+            try:
+                # Over TCP even on this host: liveness needs only the public info.
+                client = ControlClient(endpoint, timeout_s=self._timeout_s, curve=self._curve, local=False)
+            except Exception as exc:  # a malformed endpoint, no sockets left: it stays down
+                log.debug("probe of %s not made: %s", endpoint, exc)
+                continue
             try:
                 clients[endpoint] = client, client.send(m.InfoRequest())
-            except Exception as exc:  # a malformed endpoint: it stays down
+            except Exception as exc:
                 log.debug("probe of %s not sent: %s", endpoint, exc)
                 client.close()
         deadline = time.monotonic() + self._timeout_s
@@ -76,7 +85,7 @@ class Prober:
                     if reply is not None:
                         clients.pop(endpoint)
                         client.close()
-                        self._answered(endpoint, reply.info)
+                        self._answered(endpoint, reply.info if isinstance(reply, m.Info) else {})
         finally:
             for client, _ in clients.values():
                 client.close()

@@ -137,12 +137,17 @@ class Puller:
                                local=self.local_control)
         try:
             src = PeerSource.describe(endpoint, client, client.info())
+            described_locally = client.is_local
+            if self.local_control:
+                src.go_local()
+            if src.client.is_local and not described_locally:
+                # What we pull with must come from the socket that vouches for its owner, not from
+                # the TCP answer that named that socket (it could name someone else's region).
+                src = PeerSource.describe(endpoint, src.client, src.client.info())
         except BaseException:
             client.close()
             raise
-        if self.local_control:
-            src.go_local()
-        if self.curve is None and self.trusted is None and not self.insecure and not src.client.is_local:
+        if src.client.curve is None and self.trusted is None and not self.insecure and not src.client.is_local:
             # Nothing vouches for bytes from it: any local user could run a keyless source that
             # answers over TCP and have us store its bytes under our keys.
             src.close()
@@ -173,7 +178,7 @@ class Puller:
         """A probe's answer: a connection made to an earlier incarnation would only fail its next claim."""
         with self._lock:
             src = self._sources.get(endpoint)
-        if src is not None and src.incarnation != info.get("incarnation"):
+        if src is not None and info.get("incarnation") not in (None, src.incarnation):
             self._forget_source(src)
 
     def forget(self, endpoint: str) -> None:

@@ -42,6 +42,7 @@ ANY_WORKER_GETS = ("/v1/models", "/v1/models/{model:.+}", "/model_info", "/get_m
                    "/get_server_info")
 RETRYABLE_STATUS = frozenset({502, 503, 504})  # the worker (or a proxy before it) could not serve it
 HEALTH_TIMEOUT_S = 2.0
+DISCOVERY_TIMEOUT_S = 10.0  # one try at a worker's /server_info: a hung worker must not hold the health checks
 FLUSH_TIMEOUT_S = 120.0  # SGLang's flush waits for running requests up to its `timeout`; ours waits a bit more
 
 
@@ -52,6 +53,9 @@ class Failed:
     reason: str
     refused: bool  # nothing listened: the worker is gone or restarting
     answer: tuple[int, str, bytes] | None = None  # the worker's own answer (status, content type, body), if any
+    # A worker silent for request_timeout_s is failing, but the request may just be long: running
+    # it again elsewhere could keep the client waiting that long once more per retry.
+    retry: bool = True
 
 
 class RouterMetrics:
@@ -138,7 +142,8 @@ class Router:
     async def _runner_info(self, entry: WorkerEntry) -> dict:
         if entry.runner:
             return await asyncio.to_thread(fetch_info, entry.runner, token=entry.runner_token or client_http_token())
-        async with self.session.get(entry.url.rstrip("/") + "/server_info") as resp:
+        async with self.session.get(entry.url.rstrip("/") + "/server_info",
+                                    timeout=aiohttp.ClientTimeout(total=DISCOVERY_TIMEOUT_S)) as resp:
             resp.raise_for_status()
             info = await resp.json()
         if "kvcr_runner" not in info:
@@ -192,7 +197,12 @@ class Router:
         client = self._clients.get(endpoint)
         if client is None:
             client = self._clients[endpoint] = ControlClient(endpoint, timeout_s=2.0)
-        client.request(m.PostHint(envelope=envelope))
+        try:
+            client.request(m.PostHint(envelope=envelope))
+        except (TimeoutError, OSError):
+            # Its same-host socket belongs to one incarnation of the runner: the next hint reconnects.
+            self._clients.pop(endpoint).close()
+            raise
 
     async def post_hint(self, worker: Worker, envelope: dict) -> None:
         control = self.core.publishers[worker].control
@@ -281,6 +291,10 @@ class Router:
         last: Failed | None = None
         for attempt in range(1 + (self.cfg.max_retries if retry else 0)):
             if attempt:
+                if last is not None and not last.retry:
+                    break
+                self.metrics.retries.labels(self.entries[decision.choice.worker].name
+                                            if decision.choice.worker in self.entries else "?").inc()
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
                 try:
                     decision = self.decide(tokens, cache_salt=salt, tried=frozenset(tried))
@@ -305,7 +319,6 @@ class Router:
     def _count_failure(self, target: Worker, outcome: Failed) -> None:
         name = self.entries[target].name
         self.metrics.upstream_errors.labels(name).inc()
-        self.metrics.retries.labels(name).inc()
         if self.breakers.failed(target, refused=outcome.refused):
             self.metrics.breaker_trips.labels(name).inc()
             log.warning("worker %s taken out of routing until its health check passes: %s", name, outcome.reason)
@@ -376,7 +389,11 @@ class Router:
             return Failed(f"connection refused: {exc}", refused=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if resp is None:
-                return Failed(f"failed before answering: {exc!r}", refused=False)
+                timed_out = isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError))
+                return Failed(f"failed before answering: {exc!r}", refused=False, retry=not timed_out,
+                              answer=(504, "text/plain", f"worker {entry.name} sent nothing within "
+                                                         f"{self.cfg.request_timeout_s:.0f} s\n".encode())
+                              if timed_out else None)
             self.metrics.upstream_errors.labels(entry.name).inc()  # the answer has started: it can only be cut short
             log.warning("worker %s failed mid-answer: %r", entry.name, exc)
             return resp
@@ -451,6 +468,9 @@ class Router:
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Every worker's cache, as SGLang's flush_cache: 200 when every worker flushed; 400, as
         SGLang answers, when one refused because requests still run; else 502 (one did not answer)."""
+        refusal = self.operator_refusal(request)
+        if refusal:  # it empties every worker's cache
+            return web.json_response({"error": {"message": f"/flush_cache: {refusal}"}}, status=403)
         answers = await self._ask_every_worker(request, "POST", request.path_qs, FLUSH_TIMEOUT_S, list(self.entries))
         lines = "".join(f"{name}: {status or 'no answer'} {text}\n" for name, status, text in answers)
         if all(status == 200 for _, status, _ in answers):
@@ -505,14 +525,18 @@ class Router:
         except (OSError, TimeoutError, aiohttp.ClientError, KeyError, DiscoveryError) as exc:
             log.info("worker %s answers but its runner does not (yet): %s", entry.name, exc)
             return
+        if self.entries.get(worker) is not entry:  # it left (or was replaced) while we asked
+            return
         known = self.core.publishers.get(worker)
-        if known is not None and (known.events, known.replay, known.control) == \
-                (publisher.events, publisher.replay, publisher.control):
+        if known is None or (publisher.worker_id, publisher.dp_rank) != worker or \
+                (known.events, known.replay, known.control) == (publisher.events, publisher.replay, publisher.control):
             return  # same endpoints: its next batch revives it
-        self.core.remove(entry.name)
-        self.core.add(publisher)
-        self.entries[(publisher.worker_id, publisher.dp_rank)] = entry
-        await self.resync((publisher.worker_id, publisher.dp_rank))
+        try:
+            self.core.moved(publisher)
+        except DiscoveryError as exc:
+            log.warning("worker %s: its moved runner cannot be followed: %s", entry.name, exc)
+            return
+        await self.resync(worker)
         log.info("worker %s: its runner moved; following events %s, control %s", entry.name, publisher.events,
                  publisher.control)
 
