@@ -289,26 +289,27 @@ class Router:
         tried: set[Worker] = set()
         failures: list[str] = []
         last: Failed | None = None
+        failed_on = ""
         for attempt in range(1 + (self.cfg.max_retries if retry else 0)):
             if attempt:
                 if last is not None and not last.retry:
                     break
-                self.metrics.retries.labels(self.entries[decision.choice.worker].name
-                                            if decision.choice.worker in self.entries else "?").inc()
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
                 try:
                     decision = self.decide(tokens, cache_salt=salt, tried=frozenset(tried))
                 except LookupError as exc:
                     failures.append(str(exc))
                     break
+                self.metrics.retries.labels(failed_on).inc()
             target = decision.choice.worker
             outcome = await self._attempt(request, route, body, tokens, decision)
             if not isinstance(outcome, Failed):
                 self.breakers.succeeded(target)
                 return outcome
             tried.add(target)
-            failures.append(f"worker {self.entries[target].name}: {outcome.reason}")
-            self._count_failure(target, outcome)
+            failed_on = self._name(target)
+            failures.append(f"worker {failed_on}: {outcome.reason}")
+            self._count_failure(target, failed_on, outcome)
             last = outcome
         self.metrics.failed.labels(route).inc()
         if last is not None and last.answer is not None:  # the last worker's own refusal, as it gave it
@@ -316,8 +317,11 @@ class Router:
             return web.Response(status=status, body=raw, headers={"Content-Type": content_type})
         return web.json_response({"error": {"message": "; ".join(failures)}}, status=502)
 
-    def _count_failure(self, target: Worker, outcome: Failed) -> None:
-        name = self.entries[target].name
+    def _name(self, worker: Worker) -> str:
+        entry = self.entries.get(worker)  # it may have left while its request ran
+        return entry.name if entry is not None else worker[0]
+
+    def _count_failure(self, target: Worker, name: str, outcome: Failed) -> None:
         self.metrics.upstream_errors.labels(name).inc()
         if self.breakers.failed(target, refused=outcome.refused):
             self.metrics.breaker_trips.labels(name).inc()
