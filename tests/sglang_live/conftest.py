@@ -115,6 +115,24 @@ def pulls_again(source: LiveServer, puller: LiveServer, text: str) -> None:
                message=f"{source.name} holds no claim")
 
 
+def kvcr_router(tmp: Path, tokenizer: Path, workers: list[dict], **router_keys):
+    """A started, ready `kvcr router` in front of live engines (`workers`: its [[workers]] entries)."""
+    import json
+
+    from kvcr.demo.procs import Child
+
+    config = tmp / "router.json"
+    config.write_text(json.dumps({"router": {"port": 0, "block_size": 16, "tokenizer": str(tokenizer), **router_keys},
+                                  "workers": workers}))
+    front = Child(tmp, "router", ["router", "--config", str(config)]).start()
+    try:
+        front.wait_ready(120)
+    except BaseException:
+        front.stop()
+        raise
+    return front
+
+
 @pytest.fixture
 def live():
     """The helpers live tests share (generate, serve, logprobs, flush, scheduler, pulls_again)."""

@@ -14,13 +14,12 @@ import time
 import pytest
 
 from kvcr.demo.httpc import http
-from kvcr.demo.procs import Child
 from sglang_adapter.cpu_harness.model import prompt_text
 from sglang_adapter.cpu_harness.server import ROOT, harness_env
 from tests.conftest import wait_until
+from tests.sglang_live.conftest import kvcr_router
 
 pytestmark = pytest.mark.live_sglang
-PAGE = 16
 ARGS = ["--enable-cache-report"]
 
 
@@ -28,15 +27,9 @@ ARGS = ["--enable-cache-report"]
 def cluster(engines, tiny_model, tmp_path_factory):
     a, b = engines("clients-A", "clients-B", args=ARGS)
     tmp = tmp_path_factory.mktemp("router-clients")
-    config = tmp / "router.json"
-    config.write_text(json.dumps({
-        "router": {"port": 0, "block_size": PAGE, "tokenizer": str(tiny_model), "health_interval_s": 0.5},
-        "workers": [{"name": e.name, "url": e.url, "runner": e.endpoints["control"], "engine": "sglang"}
-                    for e in (a, b)]}))
-    front = Child(tmp, "router", ["router", "--config", str(config)])
-    front.start()
+    front = kvcr_router(tmp, tiny_model, [{"name": e.name, "url": e.url, "runner": e.endpoints["control"],
+                                           "engine": "sglang"} for e in (a, b)], health_interval_s=0.5)
     try:
-        front.wait_ready(120)
         yield front, a, b, tmp
     finally:
         front.stop()

@@ -18,14 +18,13 @@ import pytest
 
 from kvcr.client import ControlClient
 from kvcr.demo.httpc import get_json, http
-from kvcr.demo.procs import Child
 from kvcr.proto.events import BlockStored
 from kvcr.proto.keys import U64_MASK
 from router_hints.http.front import hint_hashes
 from kvcr.text import TextTokenizer, parse_messages
 from sglang_adapter.cpu_harness.model import prompt_text
 from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.sglang_live.conftest import kvcr_router, metric
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16
@@ -36,17 +35,11 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cluster(engines, tiny_model, tmp_path_factory):
     a, b = engines("router-A", "router-B", args=ARGS)
-    tmp = tmp_path_factory.mktemp("router")
-    config = tmp / "router.json"
     # A's runner by its HTTP info endpoint, B's by its control socket: both discovery paths.
-    config.write_text(json.dumps({
-        "router": {"port": 0, "block_size": PAGE, "tokenizer": str(tiny_model)},
-        "workers": [{"name": a.name, "url": a.url, "runner": a.runner_http, "engine": "sglang"},
-                    {"name": b.name, "url": b.url, "runner": b.endpoints["control"], "engine": "sglang"}]}))
-    front = Child(tmp, "router", ["router", "--config", str(config)])
-    front.start()
+    front = kvcr_router(tmp_path_factory.mktemp("router"), tiny_model, [
+        {"name": a.name, "url": a.url, "runner": a.runner_http, "engine": "sglang"},
+        {"name": b.name, "url": b.url, "runner": b.endpoints["control"], "engine": "sglang"}])
     try:
-        front.wait_ready(120)
         yield front, a, b, TextTokenizer(tiny_model)
     finally:
         front.stop()
