@@ -33,7 +33,8 @@ from kvcr.proto.tokenhash import dynamo_local_block_hashes  # noqa: E402
 from router_hints.index import InventoryIndex  # noqa: E402
 
 BLOCK, DOC_BLOCKS, PER_EVENT = 16, 2048, 32
-TIER = {"GPU": "device", "CPU_PINNED": "host_pinned", "DISK": "disk"}
+# our media -> Dynamo's storage tiers: it reads both the engine's host pool and a runner's DRAM as host
+TIER = {"GPU": "device", "CPU_PINNED": "host_pinned", "CPU_TIER1": "host_pinned", "DISK": "disk"}
 
 
 def workload(workers: int, seed: int = 0):

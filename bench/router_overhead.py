@@ -42,7 +42,7 @@ def main() -> int:
     for w in range(args.workers):
         # Publishers are registered without connecting anywhere: only the index and scoring are timed.
         core.publishers[(str(w), 0)] = Publisher(str(w), 0, BLOCK, "", None, f"tcp://127.0.0.1:{9000 + w}")
-        depth, medium = rng.randrange(1, 2049), rng.choice(["GPU", "CPU_PINNED", "DISK"])
+        depth, medium = rng.randrange(1, 2049), rng.choice(["GPU", "CPU_PINNED", "CPU_TIER1", "DISK"])
         for start in range(0, depth, 64):
             ann = announces[start:min(depth, start + 64)]
             core.index.apply(str(w), EventBatch(ts=0.0, dp_rank=0,

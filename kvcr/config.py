@@ -144,6 +144,8 @@ class EventsConfig:
     heartbeat_s: float = 1.0
     engine_endpoint: str = ""
     engine_replay_endpoint: str = ""
+    # A relayed engine block is shown once we hold its page too, or after this long (0: at once).
+    engine_hold_s: float = 5.0
     plain: bool = False  # no CURVE on events and replay even with keys: for consumers that hold none
 
 
@@ -403,6 +405,8 @@ def _validate(cfg: Config) -> None:
              f"{EVENT_FORMATS}")
     _require(e.buffer_steps >= 1, f"events.buffer_steps = {e.buffer_steps} must be >= 1")
     _require(e.heartbeat_s >= 0, f"events.heartbeat_s = {e.heartbeat_s} must be >= 0 (0 disables it)")
+    _require(0 <= e.engine_hold_s <= 600, f"events.engine_hold_s = {e.engine_hold_s} must be in 0..600 "
+             "(0 shows engine blocks at once)")
     _require(e.queue_size >= 1, f"events.queue_size = {e.queue_size} must be >= 1")
     endpoints = [("events.endpoint", e.endpoint), ("events.replay_endpoint", e.replay_endpoint),
                  ("runner.control_endpoint", r.control_endpoint)]

@@ -50,6 +50,12 @@ class RunnerCollector:
         claim_stats = stats.claims
         yield CounterMetricFamily("kvcr_hits", "Pages found when claimed or read", value=stats.hits)
         yield CounterMetricFamily("kvcr_misses", "Pages asked for but absent", value=stats.misses)
+        unheld = CounterMetricFamily("kvcr_hint_unheld_pages", "Pages a peer claimed from us (named by a hint or "
+                                     "our stream) that we did not hold: never_held is a router's mistake, evicted "
+                                     "an eviction race", labels=["cause"])
+        unheld.add_metric(["never_held"], stats.unheld_never_held)
+        unheld.add_metric(["evicted"], stats.unheld_evicted)
+        yield unheld
         yield GaugeMetricFamily("kvcr_claims_held", "Claims currently pinning pages", value=claim_stats.num_claims)
         yield GaugeMetricFamily("kvcr_fills_held", "Fill reservations in progress", value=claim_stats.num_fills)
         yield CounterMetricFamily("kvcr_claims_expired", "Claims ended by lease expiry",

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -60,6 +61,8 @@ class RunnerStatistics:
     misses: int
     dropped: tuple[tuple[tuple[str, str, str], int], ...]  # ((pool, tier, reason), pages), sorted
     nvme: TieringStatistics
+    unheld_evicted: int = 0     # pages peers claimed that we held and let go before the claim
+    unheld_never_held: int = 0  # pages peers claimed that we never held (whoever named us was wrong)
 
     def tier(self, pool: str) -> TierStatistics:
         return next(t for t in self.tiers if t.dram.name == pool)
@@ -134,8 +137,12 @@ class Runner:
                                  max_claims_per_owner=cfg.runner.max_claims_per_peer)
         self.lock = threading.RLock()
         self._publish = publish or (lambda events: 0)
+        # Told our own events before they go out; what it returns follows them in the same batch
+        # (the engine relay shows engine blocks it held back until we stored them).
+        self.follower: Callable[[Sequence[Event]], Sequence[Event]] | None = None
         self.hits = 0
         self.misses = 0
+        self.unheld: Counter[str] = Counter()  # pages peers claimed that we do not hold, by cause
         self.nvme = NvmeTiering(self, cfg, list(self.layouts.values()))
         self.shards = ShardAssembly(self)
 
@@ -167,7 +174,7 @@ class Runner:
         nvme = self.nvme.take_events()  # first: it marks DRAM copies NVMe let go as unkept
         events = [e for pool in self.pools.values() for e in pool.take_events()] + nvme
         if events:
-            self._publish(events)
+            self._publish(events + list(self.follower(events)) if self.follower is not None else events)
 
     def flush_events_locked(self) -> None:
         with self.lock:
@@ -279,6 +286,11 @@ class Runner:
             on_disk = self.nvme.on_disk(pool, keys)
         return [TIER_DRAM if d else TIER_NVME if n else TIER_ABSENT for d, n in zip(in_dram, on_disk)]
 
+    def holds_event_hash(self, event_hash: int) -> bool:
+        """Whether a page with this (int64) event hash is in DRAM or on NVMe (under the lock)."""
+        return any(p.key_for_event_hash(event_hash) is not None for p in self.pools.values()) \
+            or self.nvme.holds_event_hash(event_hash)
+
     def touch(self, pool: str, keys: Sequence[StorageKey]) -> None:
         """The pages were used elsewhere (an engine's own copy served them): most recent in DRAM."""
         with self.lock:
@@ -301,6 +313,8 @@ class Runner:
         digests when asked). Pages not yet registered for peers' GETs (`registered`) refuse the
         whole claim as Busy, a miss the peer retries; a claim that cannot be answered is released."""
         claim = self.claim(pool, keys, owner=owner, lease_s=lease_s)
+        if len(claim.pages) < len(keys):
+            self._count_unheld(pool, keys[len(claim.pages):])
         try:
             offsets = tuple(self.offset(pool, p.slot) for p in claim.pages)
             size = self.layouts[pool].page_bytes
@@ -312,6 +326,16 @@ class Runner:
             if claim.pages:  # no answer, no claim
                 self.release(claim.claim_id, owner=owner)
             raise
+
+    def _count_unheld(self, pool: str, keys: Sequence[StorageKey]) -> None:
+        """A peer asked for pages past what we could claim: ones we let go (an eviction race) are
+        counted apart from ones we never held (the router that named us was wrong)."""
+        p = self.pool(pool)
+        absent = [k for k, tier in zip(keys, self.tiers(pool, keys)) if tier == TIER_ABSENT]
+        evicted = sum(map(p.ever_held, absent))
+        with self.lock:
+            self.unheld["evicted"] += evicted
+            self.unheld["never_held"] += len(absent) - evicted
 
     def renew(self, claim_id: int, *, owner: str = "local") -> Claim:
         with self.lock:
@@ -404,7 +428,8 @@ class Runner:
             now = self.clock()
             tiers = tuple(self._tier_statistics(name, pool, now) for name, pool in self.pools.items())
             return RunnerStatistics(tiers, self.claims.statistics(), self.hits, self.misses,
-                                    tuple(sorted(self.dropped().items())), self.nvme.statistics())
+                                    tuple(sorted(self.dropped().items())), self.nvme.statistics(),
+                                    self.unheld["evicted"], self.unheld["never_held"])
 
     def _tier_statistics(self, name: str, pool: PagePool, now: float) -> TierStatistics:
         disk = self.nvme.disks.get(name)

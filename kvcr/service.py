@@ -55,7 +55,8 @@ class Service:
                                      tcp_serves_region=cfg.secured or cfg.runner.insecure,
                                      local_path=socket_path(self.runner.region.path) if cfg.runner.local_control else "")
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
-                                 replay_endpoint=ev.engine_replay_endpoint) if ev.engine_endpoint else None
+                                 replay_endpoint=ev.engine_replay_endpoint,
+                                 hold_s=ev.engine_hold_s) if ev.engine_endpoint else None
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
                                info=self.public_info, health=self.health, token=cfg.http_token())
         self.stopped = threading.Event()

@@ -190,12 +190,16 @@ class NvmeTiering:
         for name, disk in self.disks.items():
             dropped = disk.index.take_dropped()
             if dropped:
-                self.runner.pools[name].mark_unkept(self.runner.keys(name, [disk.page_hex(n) for n in dropped]),
-                                                    Keep.LOWER_EVICTED)
+                keys = self.runner.keys(name, [disk.page_hex(n) for n in dropped])
+                self.runner.pools[name].mark_unkept(keys, Keep.LOWER_EVICTED)
+                self.runner.pools[name].remember(keys)  # held here once, even if DRAM never had it
         return [e for disk in self.disks.values() for e in disk.index.take_events()]
 
     def inventory(self) -> list[Event]:
         return [e for disk in self.disks.values() for e in disk.index.inventory()]
+
+    def holds_event_hash(self, event_hash: int) -> bool:
+        return any(disk.index.name_for_event_hash(event_hash) is not None for disk in self.disks.values())
 
     def page_hexes(self, pool: str) -> list[str]:
         """Every page on the pool's NVMe tier (under the lock)."""

@@ -1,11 +1,16 @@
 /* The inventory index's per-block ingest loops (router_hints/index.py), run in C over the
  * index's own dicts and lists. The Python loops in index.py are the reference and the fallback
- * on a host that had no compiler at install; tests/test_index_native.py keeps the two equal.
+ * on a host that had no compiler at install; tests/test_router_index.py keeps the two equal.
  *
- * A held entry is a list [external hash, device, host, disk refcounts]; `slot` is 1..3.
+ * A held entry is a list [external hash, one refcount per tier (index.py's _NUM_TIERS: device,
+ * host, dram, disk, shared)]; `slot` is 1..NUM_TIERS.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#define NUM_TIERS 5                  /* index.py's _NUM_TIERS */
+#define ENTRY_LEN (NUM_TIERS + 1)
+#define NUM_PRESENT (1 << NUM_TIERS) /* drops: one entry per set of tiers still holding a block */
 
 /* masks[seq] |= lanes */
 static int mask_set(PyObject *masks, PyObject *seq, PyObject *lanes)
@@ -51,8 +56,8 @@ static int mask_clear(PyObject *masks, PyObject *seq, PyObject *bits)
 /* A refcount in a held entry; -1 with an error set when the entry is not what the index makes. */
 static long held_count(PyObject *held, Py_ssize_t slot)
 {
-    if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != 4) {
-        PyErr_SetString(PyExc_TypeError, "a held entry is a list [external, device, host, disk]");
+    if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != ENTRY_LEN) {
+        PyErr_SetString(PyExc_TypeError, "a held entry is a list [external, one refcount per tier]");
         return -1;
     }
     return PyLong_AsLong(PyList_GET_ITEM(held, slot));
@@ -68,8 +73,8 @@ static int held_put(PyObject *held, Py_ssize_t slot, long value)
 
 static int check_slot(Py_ssize_t slot)
 {
-    if (slot < 1 || slot > 3) {
-        PyErr_Format(PyExc_ValueError, "slot %zd is not a tier's refcount (1..3)", slot);
+    if (slot < 1 || slot > NUM_TIERS) {
+        PyErr_Format(PyExc_ValueError, "slot %zd is not a tier's refcount (1..%d)", slot, NUM_TIERS);
         return -1;
     }
     return 0;
@@ -105,15 +110,15 @@ static PyObject *stored(PyObject *self, PyObject *args)
                 ok = 0;
                 break;
             }
-            PyObject *entry = PyList_New(4);
+            PyObject *entry = PyList_New(ENTRY_LEN);
             if (entry == NULL) {
                 ok = 0;
                 break;
             }
             Py_INCREF(e);
             PyList_SET_ITEM(entry, 0, e);
-            for (Py_ssize_t k = 1; k < 4; k++)
-                PyList_SET_ITEM(entry, k, PyLong_FromLong(k == slot));
+            for (Py_ssize_t k = 1; k < ENTRY_LEN; k++)
+                PyList_SET_ITEM(entry, k, PyLong_FromLong(k == slot));  /* 0 and 1: cached, never NULL */
             ok = PyDict_SetItem(holding, s, entry) == 0;
             Py_DECREF(entry);
         } else {
@@ -147,8 +152,8 @@ static PyObject *removed(PyObject *self, PyObject *args)
                           &PyDict_Type, &masks, &externals, &slot, &bit, &PyTuple_Type, &drops)
         || check_slot(slot) < 0)
         return NULL;
-    if (PyTuple_GET_SIZE(drops) != 8) {
-        PyErr_SetString(PyExc_ValueError, "drops has one entry per set of present tiers (8)");
+    if (PyTuple_GET_SIZE(drops) != NUM_PRESENT) {
+        PyErr_Format(PyExc_ValueError, "drops has one entry per set of present tiers (%d)", NUM_PRESENT);
         return NULL;
     }
     PyObject *ext = PySequence_Fast(externals, "externals must be a sequence");
@@ -173,7 +178,7 @@ static PyObject *removed(PyObject *self, PyObject *args)
         ok = held_put(held, slot, count - 1) == 0;
         if (ok && count == 1) {  /* the tier's last copy went */
             long present = 0;
-            for (Py_ssize_t t = 1; ok && t < 4; t++) {
+            for (Py_ssize_t t = 1; ok && t < ENTRY_LEN; t++) {
                 long c = PyLong_AsLong(PyList_GET_ITEM(held, t));
                 ok = !(c == -1 && PyErr_Occurred());
                 present |= (long)(c > 0) << (t - 1);
@@ -204,5 +209,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_inventory", "The in
 
 PyMODINIT_FUNC PyInit__inventory(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "NUM_TIERS", NUM_TIERS) < 0)
+        Py_CLEAR(m);
+    return m;  /* index.py uses these loops only when NUM_TIERS is its own */
 }

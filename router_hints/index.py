@@ -1,11 +1,13 @@
 """Inventory index: which worker (and DP rank) holds which block in which tier. Pure.
 
 Fed decoded event batches (any publisher: engines, our runners); answers, per worker, how deep a
-request's prefix is held on device, then continued through host DRAM, then disk — Dynamo's
-semantics. Blocks are matched by content: like Dynamo's router we recompute a hash from each
-stored block's tokens (XXH3, salted by LoRA name and cache namespace) and chain it with its
-parent's, so engines with different event hash schemes still match the same prompt. The
-engine's own hash is kept per worker as an identity for parent links, removals and hints.
+request's prefix is held on device, then continued through the engine's host pool, then a
+runner's DRAM, then disk (Dynamo's semantics, with a runner's DRAM apart from the engine's host
+pool), and separately how much of it the worker's runner holds (what a peer can pull). Blocks are
+matched by content: like Dynamo's router we recompute a hash from each stored block's tokens
+(XXH3, salted by LoRA name and cache namespace) and chain it with its parent's, so engines with
+different event hash schemes still match the same prompt. The engine's own hash is kept per
+worker as an identity for parent links, removals and hints.
 """
 
 from __future__ import annotations
@@ -20,53 +22,66 @@ from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvcr.proto.keys import U64_MASK
 from kvcr.proto.tokenhash import dynamo_block_sequence_hashes
 
-_DEVICE, _HOST, _DISK = range(3)
+# Tiers: the engine's GPU pool; the engine's host pool (SGLang's L2, not servable to peers); a
+# runner's DRAM; a runner's NVMe; a shared pool outside this worker (scored as disk, not its runner's).
+_DEVICE, _HOST, _DRAM, _DISK, _SHARED = range(5)
+_NUM_TIERS = _SHARED + 1
 _MEDIUM_TIER = {None: _DEVICE, "GPU": _DEVICE, "DEVICE": _DEVICE,
-                "CPU": _HOST, "CPU_PINNED": _HOST, "CPU_TIER1": _HOST,
+                "CPU": _HOST, "CPU_PINNED": _HOST,
+                "CPU_TIER1": _DRAM,
                 "CPU_TIER2": _DISK, "DISK": _DISK, "NVME": _DISK, "STORAGE": _DISK,
-                "EXTERNAL": _DISK, "SHARED": _DISK, "REMOTE": _DISK, "NETWORK": _DISK}
+                "EXTERNAL": _SHARED, "SHARED": _SHARED, "REMOTE": _SHARED, "NETWORK": _SHARED}
 
 Worker = tuple[str, int]  # (worker id, DP rank)
-# Matching reads three tier classes: device; device or host; anywhere. A worker owns three
-# adjacent bits ("lanes") of each block's mask, one per class; a copy in tier t sets lanes t..2.
-_TIER_LANES = (0b111, 0b110, 0b100)
-_EXTERNAL = 0  # a held entry: [the publisher's own hash (u64), device, host, disk refcounts]
+# Matching reads tier classes, each a set of tiers (bit t: tier t): a worker owns one adjacent bit
+# ("lane") of each block's mask per class, set while any tier of the class holds the block.
+_CLASS_TIERS = (1 << _DEVICE,                                      # device
+                1 << _DEVICE | 1 << _HOST,                         # device or host
+                1 << _DEVICE | 1 << _HOST | 1 << _DRAM,            # device, host or DRAM
+                (1 << _NUM_TIERS) - 1,                             # anywhere
+                1 << _DRAM | 1 << _DISK)                           # the worker's runner
+_NUM_LANES = len(_CLASS_TIERS)
+_ALL_LANES = (1 << _NUM_LANES) - 1
+_DEVICE_LANE, _HOST_LANE, _DRAM_LANE, _ANYWHERE_LANE, _RUNNER_LANE = range(_NUM_LANES)  # shifts of a lane base
+_TIER_LANES = tuple(sum(1 << c for c, tiers in enumerate(_CLASS_TIERS) if tiers >> t & 1) for t in range(_NUM_TIERS))
+_EXTERNAL = 0  # a held entry: [the publisher's own hash (u64), one refcount per tier]
 _is_held = partial(is_not, None)
 
 
 def _drop_lanes(tier: int, present: int) -> int:
     """The lanes a block leaves when its last copy in `tier` goes, given which tiers still hold
-    it (bit t set: tier t does): each class from that tier up, until one a remaining tier fills."""
-    drop = 0
-    for c in range(tier, 3):
-        if present & ((1 << (c + 1)) - 1):  # class c holds tiers 0..c
-            break
-        drop |= 1 << c
-    return drop
+    it (bit t set: tier t does): each class of that tier that no remaining tier fills."""
+    return sum(1 << c for c, tiers in enumerate(_CLASS_TIERS) if tiers >> tier & 1 and not tiers & present)
 
 
-_FIRST_COPY = ((1, 0, 0), (0, 1, 0), (0, 0, 1))  # a held entry's refcounts after its first copy, by tier
-_DROP_LANES = tuple(tuple(_drop_lanes(tier, present) for present in range(8)) for tier in range(3))
+# a held entry's refcounts after its first copy, by tier
+_FIRST_COPY = tuple(tuple(int(t == tier) for t in range(_NUM_TIERS)) for tier in range(_NUM_TIERS))
+_DROP_LANES = tuple(tuple(_drop_lanes(tier, present) for present in range(1 << _NUM_TIERS))
+                    for tier in range(_NUM_TIERS))
 
 
 @dataclass(frozen=True, slots=True)
 class Overlap:
-    """Leading blocks of a request a worker holds: on device, then host, then disk."""
+    """Leading blocks of a request a worker holds: on device, then continued through the engine's
+    host pool, a runner's DRAM, then disk; `runner`: the leading blocks its runner holds (DRAM or
+    the runner's disk), apart from the continuation."""
 
     device: int = 0
     host: int = 0
+    dram: int = 0
     disk: int = 0
+    runner: int = 0
 
     @property
     def depth(self) -> int:
-        return self.device + self.host + self.disk
+        return self.device + self.host + self.dram + self.disk
 
 
 @dataclass
 class _WorkerState:
     # engine hash (u64) -> our content sequence hash
     by_external: dict[int, int] = field(default_factory=dict)
-    # sequence hash -> [external, device, host, disk]: a flat list, as ingest makes one per block
+    # sequence hash -> [external, device, host, dram, disk, shared]: a flat list, as ingest makes one per block
     held: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -77,8 +92,8 @@ class InventoryIndex:
     num_ignored: int = 0          # events a router must drop (unknown medium, wrong block size ...)
     num_unknown_parent: int = 0
     _workers: dict[Worker, _WorkerState] = field(default_factory=dict)
-    # Matching is one integer AND per block: every worker gets a lane base (1 << 3k), and each
-    # block a mask of which workers hold it on device / device or host / anywhere (their lanes).
+    # Matching is one integer AND per block: every worker gets a lane base (1 << 5k), and each
+    # block a mask of which workers hold it in each tier class (their lanes).
     _bits: dict[Worker, int] = field(default_factory=dict)
     _free_bits: list[int] = field(default_factory=list)
     _next_bit: int = 0
@@ -136,14 +151,14 @@ class InventoryIndex:
         if bit is None:
             return
         for seq in state.held:
-            _clear_bit(self._masks, seq, bit * 0b111)
+            _clear_bit(self._masks, seq, bit * _ALL_LANES)
         self._free_bits.append(bit)  # clear everywhere now: reuse it
 
     def _bit(self, worker: Worker) -> int:
         bit = self._bits.get(worker)
         if bit is None:
-            bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << (3 * self._next_bit)
-            self._next_bit += bit == 1 << (3 * self._next_bit)
+            bit = self._bits[worker] = self._free_bits.pop() if self._free_bits else 1 << (_NUM_LANES * self._next_bit)
+            self._next_bit += bit == 1 << (_NUM_LANES * self._next_bit)
         return bit
 
     def remove_worker(self, worker_id: str) -> None:
@@ -157,20 +172,22 @@ class InventoryIndex:
         return dynamo_block_sequence_hashes(tokens, self.block_size, lora_name=lora_name, cache_namespace=cache_salt)
 
     def overlaps(self, seq_hashes: list[int]) -> dict[Worker, Overlap]:
-        """Per worker holding the first block: its device / host / disk continuation depths."""
+        """Per worker holding the first block: its device / host / DRAM / disk continuation depths
+        and its runner's depth."""
         if not seq_hashes:
             return {}
-        depths = _depths(self._masks, seq_hashes)
+        get = _depths(self._masks, seq_hashes).get
         out = {}
         for worker, bit in self._bits.items():
-            anywhere = depths.get(bit << 2)
+            anywhere = get(bit << _ANYWHERE_LANE)
             if anywhere:
-                device, device_or_host = depths.get(bit, 0), depths.get(bit << 1, 0)
-                out[worker] = Overlap(device, device_or_host - device, anywhere - device_or_host)
+                device, host, dram = get(bit << _DEVICE_LANE, 0), get(bit << _HOST_LANE, 0), get(bit << _DRAM_LANE, 0)
+                out[worker] = Overlap(device, host - device, dram - host, anywhere - dram, get(bit << _RUNNER_LANE, 0))
         return out
 
     def external_hashes(self, worker: Worker, seq_hashes: list[int]) -> list[int]:
-        """The worker's own published hashes (u64) for the leading blocks it holds."""
+        """The worker's own published hashes (u64) for the leading blocks it holds in any tier
+        (a hint passes only its runner's run: `Overlap.runner`)."""
         held = self._workers.get(worker, _WorkerState()).held
         return list(map(itemgetter(_EXTERNAL), takewhile(_is_held, map(held.get, seq_hashes))))  # C speed
 
@@ -188,8 +205,8 @@ def _u64(hashes: tuple[int, ...]) -> tuple[int, ...] | list[int]:
 
 def _count_stored_py(holding: dict[int, list[int]], masks: dict[int, int], externals, seqs, slot: int,
                      lanes: int) -> None:
-    """Count a stored run's blocks in the tier at `slot` (1..3 of a held entry); a tier's first
-    copy of a block sets the worker's lanes of its classes."""
+    """Count a stored run's blocks in the tier at `slot` (1.._NUM_TIERS of a held entry); a tier's
+    first copy of a block sets the worker's lanes of its classes."""
     for external, seq in zip(externals, seqs):
         held = holding.get(seq)
         if held is None:
@@ -214,17 +231,21 @@ def _count_removed_py(by_external: dict[int, int], holding: dict[int, list[int]]
         held[slot] -= 1
         if held[slot]:
             continue
-        _, device, host, disk = held
-        _clear_bit(masks, seq, bit * drops[(device > 0) | (host > 0) << 1 | (disk > 0) << 2])
-        if not (device or host or disk):
+        present = 0
+        for tier, count in enumerate(held[1:]):
+            present |= (count > 0) << tier
+        _clear_bit(masks, seq, bit * drops[present])
+        if not present:
             del holding[seq]
             del by_external[external]
 
 
 # The same loops in C (router_hints/_inventory.c), built at install when a compiler is there.
 try:
-    from router_hints._inventory import removed as _count_removed, stored as _count_stored
-except ImportError:
+    from router_hints._inventory import NUM_TIERS as _NATIVE_TIERS, removed as _count_removed, stored as _count_stored
+except ImportError:  # not built, or built before NUM_TIERS existed
+    _NATIVE_TIERS = 0
+if _NATIVE_TIERS != _NUM_TIERS:  # a stale build counts another tier layout: use the reference loops
     _count_stored, _count_removed = _count_stored_py, _count_removed_py
 
 

@@ -16,7 +16,8 @@ from .index import InventoryIndex, Overlap, Worker
 class CostModel:
     overlap_score_credit: float = 1.0
     overlap_score_credit_decay: float = 0.0
-    host_cache_hit_weight: float = 0.75
+    host_cache_hit_weight: float = 0.75   # the engine's host pool: it loads host -> device itself
+    runner_dram_hit_weight: float = 0.5   # a runner's DRAM: an L3 prefetch into the host pool first
     disk_cache_hit_weight: float = 0.25
     prefill_load_scale: float = 1.0
     decode_active_request_weight: float = 0.0
@@ -50,7 +51,8 @@ def cost(model: CostModel, overlap: Overlap, load: Load, request_blocks: int, bl
         decay = 1.0 / (1.0 + model.overlap_score_credit_decay * (
             (load.active_prefill_tokens - min_active_prefill) / block_size) / max(1, request_blocks))
         credit = model.overlap_score_credit * decay * overlap.device
-    credit += model.host_cache_hit_weight * overlap.host + model.disk_cache_hit_weight * overlap.disk
+    credit += (model.host_cache_hit_weight * overlap.host + model.runner_dram_hit_weight * overlap.dram
+               + model.disk_cache_hit_weight * overlap.disk)
     return (model.prefill_load_scale * max(0.0, load.active_prefill_blocks + request_blocks - credit)
             + load.potential_decode_blocks + model.decode_active_request_weight * load.active_requests)
 
@@ -85,13 +87,15 @@ def worker_order(worker: Worker) -> tuple:
 
 def choose_source(index: InventoryIndex, target: Worker, seq_hashes: list[int], overlaps: dict[Worker, Overlap],
                   endpoints: dict[Worker, str], roles: dict[Worker, str] | None = None) -> dict | None:
-    """A `kv_hint` envelope naming the peer with the strictly longest prefix (same role, with a
-    control endpoint), ties to the lower id; None when no peer beats the target."""
+    """A `kv_hint` envelope naming the peer whose runner holds the strictly longest prefix, longer
+    than the target holds anywhere (same role, with a control endpoint), ties to the lower id; None
+    when no peer's runner beats the target. Blocks only on a peer's device or engine host pool are
+    never hinted: its runner cannot serve them."""
     roles = roles or {}
-    mine = overlaps.get(target, Overlap()).depth
+    mine = overlaps.get(target, _NONE).depth
     role = roles.get(target, "aggregated")
-    peers = [(w, o.depth) for w, o in overlaps.items()
-             if w != target and o.depth > mine and endpoints.get(w) and roles.get(w, "aggregated") == role]
+    peers = [(w, o.runner) for w, o in overlaps.items()
+             if w != target and o.runner > mine and endpoints.get(w) and roles.get(w, "aggregated") == role]
     if not peers:
         return None
     source, depth = min(peers, key=lambda p: (-p[1], worker_order(p[0])))

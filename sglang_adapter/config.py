@@ -45,11 +45,15 @@ class AdapterConfig:
     sidecar: str = _key("", "TP > 1 or MLA: the worker's `kvcr serve` sidecar control endpoint "
                             "(class KVCRSidecarStorage)")
     model: str = _key("", "the model name in the namespace when SGLang names none")
+    # The launcher gives SGLang a --kv-events-config on a private socket and the runner relays it,
+    # so routers see the engine's device and host tiers in the runner's one stream.
+    engine_events: bool = _key(True, "relay the engine's own KV events (device and host tiers) through the runner; "
+                                     "ignored when --kv-events-config is given")
 
 
 KEY_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
              "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool,
-             "sidecar": str}
+             "sidecar": str, "engine_events": bool}
 
 
 def _check(key: str, value: Any, tp: type) -> Any:

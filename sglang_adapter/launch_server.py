@@ -2,7 +2,9 @@
 also accepts `--hicache-storage-backend kvcr`, and installs kvcr's hooks in every scheduler.
 
 `kvcr` becomes SGLang's `dynamic` backend with kvcr's module, class and zero-copy interface
-merged into the extra-config, and prefetch timeouts that leave room for a peer pull. `--help` is
+merged into the extra-config, and prefetch timeouts that leave room for a peer pull. Unless the
+operator configures them, the engine's own KV events go to a private socket its runner relays, so
+routers see device, host and runner tiers in one stream per worker. `--help` is
 SGLang's, with `kvcr` among the storage backends and kvcr's extra-config keys at the end. Once the
 engine is down, regions its killed schedulers' runners left in /dev/shm are removed.
 """
@@ -13,7 +15,9 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
 import tomllib
 from pathlib import Path
@@ -26,6 +30,8 @@ from .hooks import UnsupportedSGLang, check_version
 
 BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+EVENTS_FLAG = "--kv-events-config"
+DP_FLAGS = ("--dp-size", "--data-parallel-size")
 DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "class_name": "KVCRStorage",
            "interface_v1": 1}
 # bench/sglang_adapter.py (docs/sglang.md): warm 8k/32k-token pulls took 66/156 ms (p99) on one host,
@@ -86,8 +92,27 @@ def _check_hint_sources(adapter: AdapterConfig, host_flag: tuple[int, int, str] 
         raise LaunchError(f"the engine's runner: {exc}") from None
 
 
-def rewrite_args(argv: list[str]) -> list[str]:
-    """SGLang arguments with `--hicache-storage-backend kvcr` turned into `dynamic` + extra-config."""
+def _engine_events(argv: list[str], adapter: AdapterConfig, events_dir: str | None) -> dict | None:
+    """SGLang's --kv-events-config for the runner to relay, on sockets in `events_dir` (private to
+    this user), or None: the operator configured events, turned them off, or runs DP (ipc
+    endpoints serve one rank)."""
+    if events_dir is None or not adapter.engine_events or adapter.sidecar or _flag_value(argv, EVENTS_FLAG):
+        return None
+    if any((dp := _flag_value(argv, flag)) and dp[2] != "1" for flag in DP_FLAGS):
+        return None
+    try:
+        runner = load_config(adapter.runner_config or None, adapter.runner or {})
+    except ConfigError as exc:
+        raise LaunchError(f"the engine's runner: {exc}") from None
+    if runner.events.engine_endpoint:  # the runner relays what its config names
+        return None
+    return {"publisher": "zmq", "endpoint": f"ipc://{events_dir}/events", "bind": True,
+            "replay_endpoint": f"ipc://{events_dir}/replay", "topic": "", "format": runner.events.event_format}
+
+
+def rewrite_args(argv: list[str], events_dir: str | None = None) -> list[str]:
+    """SGLang arguments with `--hicache-storage-backend kvcr` turned into `dynamic` + extra-config;
+    with `events_dir`, the engine also publishes its KV events there for its runner to relay."""
     found = _flag_value(argv, BACKEND_FLAG)
     if found is None or found[2] != "kvcr":
         return list(argv)
@@ -102,6 +127,11 @@ def rewrite_args(argv: list[str]) -> list[str]:
         raise LaunchError(str(exc)) from None
     if not adapter.sidecar:  # a sidecar's own config says whom it pulls from
         _check_hint_sources(adapter, _flag_value(argv, "--host"))
+    events = _engine_events(argv, adapter, events_dir)
+    if events is not None:
+        relay = {"events.engine_endpoint": events["endpoint"], "events.engine_replay_endpoint": events["replay_endpoint"]}
+        extra = {**extra, "runner": {**relay, **(extra.get("runner") or {})}}
+        out += [EVENTS_FLAG, json.dumps(events)]
     # TP > 1 and MLA engines attach every rank to the worker's sidecar runner.
     backend = {**DYNAMIC, "class_name": "KVCRSidecarStorage", "module_path": "sglang_adapter.sidecar"} \
         if extra.get("sidecar") else DYNAMIC
@@ -171,13 +201,17 @@ def print_help(prog: str) -> int:
 
 def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    events_dir = ""
     try:
         check_version()
         if HELP_FLAGS.intersection(args):  # starts nothing, so it needs no valid kvcr extra-config
             return print_help(prog)
-        args = rewrite_args(args)
+        events_dir = tempfile.mkdtemp(prefix="kvcr-engine-")  # 0700: only this user reaches the sockets
+        args = rewrite_args(args, events_dir)
     except (UnsupportedSGLang, LaunchError, OSError) as exc:
         print(f"kvcr sglang: {exc}", file=sys.stderr)
+        if events_dir:
+            shutil.rmtree(events_dir, ignore_errors=True)
         return 2
     os.environ["KVCR_SGLANG_HOOKS"] = "1"  # scheduler processes install the hooks when they load the backend
     from sglang.launch_server import run_server
@@ -194,6 +228,7 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
             kill_process_tree(os.getpid(), include_parent=False)  # waits until every child is reaped
         finally:
             reclaim_regions()
+            shutil.rmtree(events_dir, ignore_errors=True)
     return 0
 
 

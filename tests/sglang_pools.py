@@ -65,7 +65,9 @@ def storage_config(mla: bool = False, layout: str = "page_first", **extra) -> Hi
     return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                 is_mla_model=mla, enable_storage_metrics=False,
                                 is_page_first_layout=layout == "page_first", model_name="test/model",
-                                extra_config={**DYNAMIC, "prefetch_threshold": 256, "runner": {"dram.size": "4Mi"},
+                                extra_config={**DYNAMIC, "prefetch_threshold": 256,
+                                              # 2 loaded cores can hold a first contact past the 2 s default
+                                              "runner": {"dram.size": "4Mi", "runner.control_timeout_s": 10.0},
                                               **extra})
 
 

@@ -47,7 +47,7 @@ def dynamo_cost(model: dict, row: dict, request_blocks: int) -> float:
     """Dynamo's default cost, recomputed here from the formula (not from router_hints.scoring)."""
     o, load = row["overlap"], row["load"]
     credit = (model["overlap_score_credit"] * o["device"] + model["host_cache_hit_weight"] * o["host"]
-              + model["disk_cache_hit_weight"] * o["disk"])
+              + model["runner_dram_hit_weight"] * o["dram"] + model["disk_cache_hit_weight"] * o["disk"])
     return (model["prefill_load_scale"] * max(0.0, load["active_prefill_blocks"] + request_blocks - credit)
             + load["potential_decode_blocks"] + model["decode_active_request_weight"] * load["active_requests"])
 
@@ -73,22 +73,23 @@ def test_the_target_is_the_cost_minimum_recomputed_from_debug_index(cluster):
     text = "A prefix that only the second worker holds, long enough for several pages. " * 4
     generate(workers[1].url, text)  # w1 stores it and announces the pages
     view = wait_until(lambda: (v := json.loads(http(front.url + "/debug/index", {"text": text})[2]))
-                      ["workers"][1]["overlap"]["host"] > 0 and v, 10, 0.05, "router indexed w1's pages")
+                      ["workers"][1]["overlap"]["dram"] > 0 and v, 10, 0.05, "router indexed w1's pages")
     costs = {row["worker"]: dynamo_cost(view["cost_model"], row, view["request_blocks"]) for row in view["workers"]}
     assert costs == {row["worker"]: row["cost"] for row in view["workers"]}
     best = min(costs, key=lambda w: (costs[w], w))
     assert best == "w1" and costs["w1"] < costs["w0"]
     worker_name, out = generate(front.url, text)
     assert worker_name == view["choice"]["worker"] == best
-    assert out["meta_info"]["kvcr"]["dram_pages"] == view["workers"][1]["overlap"]["host"]
+    assert out["meta_info"]["kvcr"]["dram_pages"] == view["workers"][1]["overlap"]["dram"] == \
+        view["workers"][1]["runner"]
 
 
 def test_a_worker_without_the_prefix_pulls_it_from_the_peer_the_hint_names(cluster):
     front, workers = cluster
     text = "Pages the first worker computes and the second pulls over UCX on the router's hint. " * 5
     _, cold = generate(workers[0].url, text)
-    wait_until(lambda: json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"][0]["overlap"]
-               ["host"] > 0, 10, 0.05, "router indexed w0's pages")
+    wait_until(lambda: json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"][0]["runner"] > 0,
+               10, 0.05, "router indexed w0's runner pages")
     name, out = generate(front.url, text, headers={"X-KVCR-Target": "w1"}, kvcr_oracle=True)
     kv = out["meta_info"]["kvcr"]
     assert name == "w1" and kv["peer_pages"] == cold["meta_info"]["kvcr"]["stored_pages"] > 0
@@ -109,10 +110,11 @@ def test_a_tenants_pages_serve_only_its_own_salt_locally_and_from_a_peer(cluster
     _, cold = generate(w0.url, text, cache_salt="tenant-a", kvcr_oracle=True)
     held = cold["meta_info"]["kvcr"]["stored_pages"]
     wait_until(lambda: json.loads(http(front.url + "/debug/index", {"text": text, "cache_salt": "tenant-a"})[2])
-               ["workers"][0]["overlap"]["host"] == held, 10, 0.05, "router indexed w0's tenant-a pages")
+               ["workers"][0]["runner"] == held, 10, 0.05, "router indexed w0's tenant-a pages")
     for other in ({}, {"cache_salt": "tenant-b"}):
         view = json.loads(http(front.url + "/debug/index", {"text": text, **other})[2])
-        assert sum(view["workers"][0]["overlap"].values()) == 0 and view["hint"] is None, other
+        assert sum(view["workers"][0]["overlap"].values()) == view["workers"][0]["runner"] == 0, other
+        assert view["hint"] is None, other
         _, local = generate(w0.url, text, **other)
         assert local["meta_info"]["kvcr"]["dram_pages"] == 0, other
     name, out = generate(front.url, text, headers={"X-KVCR-Target": "w1"}, cache_salt="tenant-a", kvcr_oracle=True)
@@ -172,7 +174,7 @@ def test_the_router_learns_a_runners_existing_pages_from_its_snapshot(cluster, t
     try:
         late.wait_ready()
         view = json.loads(http(late.url + "/debug/index", {"text": text})[2])
-        assert view["workers"][0]["overlap"]["host"] == view["request_blocks"] > 0
+        assert view["workers"][0]["overlap"]["dram"] == view["workers"][0]["runner"] == view["request_blocks"] > 0
     finally:
         late.stop()
 
@@ -190,6 +192,16 @@ def test_the_router_learns_a_runners_existing_pages_from_its_snapshot(cluster, t
 def test_a_bad_router_config_is_refused_with_the_key_named(raw, problem):
     with pytest.raises(RouterConfigError, match=problem.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         parse_router_config(raw)
+
+
+@pytest.mark.parametrize("key, default", [("host_cache_hit_weight", 0.75), ("runner_dram_hit_weight", 0.5),
+                                          ("disk_cache_hit_weight", 0.25)])
+def test_each_tier_weight_defaults_reads_an_int_as_a_float_and_refuses_a_string_by_name(key, default):
+    workers = [{"name": "a", "url": "http://h:1"}]
+    assert getattr(parse_router_config({"workers": workers}).cost, key) == default
+    assert getattr(parse_router_config({"cost": {key: 1}, "workers": workers}).cost, key) == 1.0
+    with pytest.raises(RouterConfigError, match=f"cost.{key} must be float"):
+        parse_router_config({"cost": {key: "0.5"}, "workers": workers})
 
 
 def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, tmp_path):
@@ -389,7 +401,7 @@ def test_a_salted_request_is_matched_in_its_own_cache_namespace(tmp_path):
         router.entries[(entry.name, 0)] = entry
     text = PROMPT * 2
     tokens = router.tokenizer.encode(text)
-    (event,) = coalesce_announces(announce_request(tokens, 16, cache_salt="tenant-a"), 16, "CPU_PINNED")
+    (event,) = coalesce_announces(announce_request(tokens, 16, cache_salt="tenant-a"), 16, "CPU_TIER1")
     router.core.index.apply("w1", EventBatch(ts=0.0, events=(event,), dp_rank=0))
 
     async def views() -> list:
@@ -407,10 +419,12 @@ def test_a_salted_request_is_matched_in_its_own_cache_namespace(tmp_path):
         (s1, salted), *unsalted, (s5, listed), (s6, generated) = asyncio.run(views())
     finally:
         asyncio.run(router.close())
-    assert s1 == 200 and salted["workers"][1]["overlap"]["host"] == salted["request_blocks"] == len(tokens) // 16
+    assert s1 == 200 and salted["workers"][1]["overlap"] == {"device": 0, "host": 0, "dram": len(tokens) // 16,
+                                                              "disk": 0}
+    assert salted["workers"][1]["runner"] == salted["request_blocks"] == len(tokens) // 16
     assert salted["choice"]["worker"] == "w1"
     for status, view in unsalted:  # no salt, "" (none, as in SGLang), another salt: nothing held
-        assert status == 200 and all(sum(row["overlap"].values()) == 0 for row in view["workers"])
+        assert status == 200 and all(sum(row["overlap"].values()) == row["runner"] == 0 for row in view["workers"])
     assert s5 == 400 and "cache_salt must be a string" in listed["error"]["message"]
     assert s6 == 400 and "cache_salt must be a string" in generated["error"]["message"]
 
@@ -493,7 +507,7 @@ def test_a_silent_worker_is_dropped_from_routing_and_back_when_it_speaks_and_the
     try:
         text = "Pages only m1 holds: while m1 is silent the router must not send them there. " * 4
         assert generate(front.url, text, headers={"X-KVCR-Target": "m1"})[0] == "m1"
-        overlap_at = lambda: {r["worker"]: r["overlap"]["host"] for r in
+        overlap_at = lambda: {r["worker"]: r["runner"] for r in
                               json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
         wait_until(lambda: overlap_at().get("m1", 0) > 0, 10, 0.05, "m1's pages indexed")
         alive = lambda: {w["name"]: w["alive"] for w in json.loads(http(front.url + "/workers")[2])}

@@ -272,7 +272,7 @@ def test_a_router_cut_from_a_workers_stream_stops_routing_there_and_resyncs_when
     front, (w1, w2) = routed
     text = "Pages only w2 holds; while its link is down the router must not count on them. " * 4
     assert generate(front.url, text, headers={"X-KVCR-Target": "w2"})[0] == "w2"
-    overlap = lambda: {r["worker"]: r["overlap"]["host"] for r in
+    overlap = lambda: {r["worker"]: r["overlap"]["dram"] for r in
                        json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
     alive = lambda: {w["name"]: w["alive"] for w in json.loads(http(front.url + "/workers")[2])}
     wait_until(lambda: overlap().get("w2", 0) > 0, 10, 0.1, "w2's pages indexed")
@@ -295,7 +295,7 @@ def test_the_operator_takes_out_and_puts_back_a_worker_on_another_host_at_run_ti
     reloaded from its snapshot."""
     front, (w1, w2) = routed
     text = "Pages w2 holds on h2 while the operator takes it out of the routing and back. " * 4
-    overlap = lambda: {r["worker"]: r["overlap"]["host"] for r in
+    overlap = lambda: {r["worker"]: r["overlap"]["dram"] for r in
                        json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
     routed_to = lambda: {w["name"] for w in json.loads(http(front.url + "/workers")[2])}
     assert generate(front.url, text, headers={"X-KVCR-Target": "w2"})[0] == "w2"
@@ -321,7 +321,7 @@ def test_a_router_whose_event_connection_is_reset_reconnects_and_repairs_the_gap
     text = "Pages w2 stores while the router cannot hear it; replay must bring their events. " * 4
     router_metric = lambda name: next(float(line.split()[-1]) for line in http(front.url + "/metrics")[2].decode()
                                       .splitlines() if line.startswith(name + " "))
-    overlap = lambda: {r["worker"]: r["overlap"]["host"] for r in
+    overlap = lambda: {r["worker"]: r["overlap"]["dram"] for r in
                        json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
     wait_until(lambda: router_metric("kvcr_router_event_batches") > 0, 10, 0.1, "the router hearing both")
     snapshots, gaps = router_metric("kvcr_router_snapshots_loaded"), router_metric("kvcr_router_event_gaps")
@@ -349,7 +349,7 @@ def test_a_router_behind_a_slow_reordering_link_indexes_a_workers_pages_and_rout
     h2 = hosts[1]
     router_metric = lambda name: next(float(line.split()[-1]) for line in http(front.url + "/metrics")[2].decode()
                                       .splitlines() if line.startswith(name + " "))
-    overlap = lambda text: {r["worker"]: r["overlap"]["host"] for r in
+    overlap = lambda text: {r["worker"]: r["overlap"]["dram"] for r in
                             json.loads(http(front.url + "/debug/index", {"text": text})[2])["workers"]}
     wait_until(lambda: router_metric("kvcr_router_event_batches") > 0, 10, 0.1, "the router hearing both")
     gaps, snapshots = router_metric("kvcr_router_event_gaps"), router_metric("kvcr_router_snapshots_loaded")

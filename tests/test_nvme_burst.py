@@ -89,7 +89,7 @@ def test_a_burst_larger_than_nvme_counts_its_drops_and_a_restart_serves_reachabl
     store(info, burst)
     wait_until(lambda: scrape(info, "kvcr_write_behind_queue") == 0, 20, 0.1, "write-behind queue drained")
     media = held(info)
-    kept = media.get("CPU_PINNED", set()) | media.get("DISK", set())
+    kept = media.get("CPU_TIER1", set()) | media.get("DISK", set())
     dropped = scrape(info, "kvcr_pages_dropped")
     assert dropped > 0 and len(kept) + dropped >= NUM_REQUESTS * PAGES_PER_REQUEST  # nothing lost silently
     assert proc.stop(signal.SIGTERM) == 0

@@ -8,7 +8,7 @@ from kvcr.proto.peer_inventory import PeerInventory
 U64 = 2**64
 
 
-def stored(hashes, medium="CPU_PINNED"):
+def stored(hashes, medium="CPU_TIER1"):
     return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None, token_ids=tuple(range(4 * len(hashes))),
                        block_size=4, medium=medium)
 
@@ -29,8 +29,8 @@ def test_the_peer_with_the_longest_leading_run_is_the_source_ties_to_the_lower_n
 
 
 @pytest.mark.parametrize("events, held", [
-    ([stored([1]), stored([1], "DISK"), BlockRemoved(block_hashes=(1,), medium="CPU_PINNED")], True),
-    ([stored([1]), stored([1], "DISK"), BlockRemoved(block_hashes=(1,), medium="CPU_PINNED"),
+    ([stored([1]), stored([1], "DISK"), BlockRemoved(block_hashes=(1,), medium="CPU_TIER1")], True),
+    ([stored([1]), stored([1], "DISK"), BlockRemoved(block_hashes=(1,), medium="CPU_TIER1"),
       BlockRemoved(block_hashes=(1,), medium="DISK")], False),
     ([stored([1, 2]), AllBlocksCleared()], False),
     ([stored([-1])], True),  # signed int64 on the wire, u64 in lookups
@@ -40,3 +40,11 @@ def test_a_block_is_held_while_any_medium_holds_it(events, held):
     inv.apply("p", batch(*events))
     lookup = [U64 - 1] if events[0].block_hashes == (-1,) else [1]
     assert (inv.best_source(lookup) is not None) is held
+
+
+@pytest.mark.parametrize("medium, source", [("GPU", False), (None, False), ("CPU_PINNED", False),
+                                            ("CPU_TIER1", True), ("DISK", True)])
+def test_only_the_media_a_runner_serves_make_a_peer_a_source(medium, source):
+    inv = PeerInventory()
+    inv.apply("p", batch(stored([1], medium)))  # a relayed engine tier is not something a runner hands over
+    assert (inv.best_source([1]) is not None) is source

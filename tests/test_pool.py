@@ -42,7 +42,7 @@ def test_commit_publishes_one_coalesced_block_stored_with_parent_links():
     (event,) = pool.take_events()
     assert isinstance(event, BlockStored)
     assert event.block_hashes == tuple(a.event_hash for a in ann) and event.parent_block_hash is None
-    assert len(event.token_ids) == 3 * BLOCK and event.medium == "CPU_PINNED"
+    assert len(event.token_ids) == 3 * BLOCK and event.medium == "CPU_TIER1"
 
 
 def test_pages_without_an_event_hash_are_stored_but_never_announced():

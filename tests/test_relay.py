@@ -109,6 +109,71 @@ def test_repeated_stores_are_reference_counted():
     assert len(mirror.inventory()) == 1
 
 
+# --- holding engine blocks back until the runner holds them ----------------------------------------
+
+@pytest.fixture
+def gated():
+    """A mirror holding engine blocks back for 5 s, over a runner whose pages are `held`."""
+    held: set[int] = set()
+    return EngineMirror(block_size=BLOCK, hold_s=5.0, runner_holds=held.__contains__), held
+
+
+def test_an_engine_block_waits_for_the_runners_copy_and_follows_it(gated):
+    mirror, held = gated
+    assert mirror.on_batch(0, batch(gpu_stored([1, 2])), now=0.0).events == ()
+    assert mirror.inventory() == [] and mirror.runner_stored([7], now=0.1) == ()
+    held.add(1)
+    assert [e.block_hashes for e in mirror.runner_stored([1], now=0.2)] == [(1,)]
+    held.add(2)
+    shown = mirror.runner_stored([2], now=0.3)
+    assert [(e.block_hashes, e.parent_block_hash) for e in shown] == [((2,), 1)]
+    assert [e.block_hashes for e in mirror.inventory()] == [(1,), (2,)]
+    # Already held when the engine stores it: the event goes out as it came.
+    held.add(3)
+    assert mirror.on_batch(1, batch(gpu_stored([3], parent=2)), now=0.4).events == (gpu_stored([3], parent=2),)
+
+
+def test_a_child_waits_for_its_parent_even_when_the_runner_holds_it(gated):
+    mirror, held = gated
+    mirror.on_batch(0, batch(gpu_stored([1]), gpu_stored([2], parent=1)), now=0.0)
+    held.add(2)
+    assert mirror.runner_stored([2], now=0.1) == ()  # the router would drop a child of an unknown parent
+    held.add(1)
+    assert [e.block_hashes for e in mirror.runner_stored([1], now=0.2)] == [(1,), (2,)]
+
+
+@pytest.mark.parametrize("removed_before_shown", [True, False])
+def test_a_held_back_block_is_shown_after_hold_s_or_never_if_the_engine_drops_it(gated, removed_before_shown):
+    mirror, _ = gated
+    mirror.on_batch(0, batch(gpu_stored([1])), now=0.0)
+    assert mirror.expire(4.9) == ()
+    if removed_before_shown:
+        assert mirror.on_batch(1, batch(BlockRemoved(block_hashes=(1,), medium="GPU")), now=1.0).events == ()
+        assert mirror.expire(5.0) == () and mirror.blocks == {}
+    else:
+        assert [e.block_hashes for e in mirror.expire(5.0)] == [(1,)]
+        removed = mirror.on_batch(1, batch(BlockRemoved(block_hashes=(1,), medium="GPU")), now=6.0).events
+        assert removed == (BlockRemoved(block_hashes=(1,), medium="GPU"),)
+
+
+def test_stores_of_a_shown_block_are_counted_and_removals_match_them(gated):
+    mirror, held = gated
+    held.add(1)
+    mirror.on_batch(0, batch(gpu_stored([1])), now=0.0)
+    assert mirror.on_batch(1, batch(gpu_stored([1])), now=0.1).events == (gpu_stored([1]),)
+    gone = batch(BlockRemoved(block_hashes=(1,), medium="GPU"))
+    assert mirror.on_batch(2, gone, now=0.2).events == gone.events
+    assert mirror.on_batch(3, gone, now=0.3).events == gone.events and mirror.inventory() == []
+
+
+def test_engine_media_are_held_apart(gated):
+    mirror, held = gated
+    held.add(1)
+    host = gpu_stored([1], medium="CPU_PINNED")
+    assert mirror.on_batch(0, batch(gpu_stored([1]), host), now=0.0).events == (gpu_stored([1]), host)
+    assert sorted(mirror.blocks) == [("CPU_PINNED", 1), ("GPU", 1)]
+
+
 # --- a runner relaying a live engine stream ------------------------------------------------------------
 
 def deliveries(sub, until, timeout_s=10.0):
@@ -127,7 +192,7 @@ def test_runner_merges_engine_and_own_events_into_one_stream(runner_factory):
     try:
         proc = runner_factory(**{"events.engine_endpoint": engine.pub.bound_endpoint,
                                  "events.engine_replay_endpoint": engine.pub.bound_replay_endpoint,
-                                 "dram.pools": [{"name": "kv", "page_bytes": 4096}]})
+                                 "events.engine_hold_s": 1.0, "dram.pools": [{"name": "kv", "page_bytes": 4096}]})
         info = proc.start()
         sub = Subscriber()
         sub.add("r", info["endpoints"]["events"], info["endpoints"]["replay"])
@@ -140,12 +205,14 @@ def test_runner_merges_engine_and_own_events_into_one_stream(runner_factory):
             writer.put("kv", keys, data, ann)
             writer.close()
         got = deliveries(sub, lambda g: sum(isinstance(e, BlockStored) for e in events_of(g)) >= 2)
-        media = [e.medium for e in events_of(got) if isinstance(e, BlockStored)]
-        assert media == ["GPU", "CPU_PINNED"]
+        # The engine's block waited for our copy, then went out right behind it, in one batch.
+        stores = [(d.seq, e.medium) for d in got for e in d.batch.events if isinstance(e, BlockStored)]
+        assert [m for _, m in stores] == ["CPU_TIER1", "GPU"] and stores[0][0] == stores[1][0]
         seqs = [d.seq for d in got]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
-        # The engine restarts (seq from 0 again): its GPU block is gone, our DRAM pages are re-announced.
+        # The engine restarts (seq from 0 again): its GPU block is gone, our DRAM pages are re-announced;
+        # its new block, which we never get, is shown once engine_hold_s has passed.
         engine.close()
         engine = FakeEngine(endpoint=engine.pub.bound_endpoint, replay=engine.pub.bound_replay_endpoint)
         time.sleep(0.5)
@@ -155,7 +222,7 @@ def test_runner_merges_engine_and_own_events_into_one_stream(runner_factory):
         after = events_of(got)
         clear_at = next(i for i, e in enumerate(after) if isinstance(e, AllBlocksCleared))
         rest = after[clear_at + 1:]
-        assert [e.medium for e in rest if isinstance(e, BlockStored)] == ["CPU_PINNED", "GPU"]
+        assert [e.medium for e in rest if isinstance(e, BlockStored)] == ["CPU_TIER1", "GPU"]
         assert [h for e in rest if isinstance(e, BlockStored) for h in e.block_hashes] == \
             [a.event_hash for a in ann] + [777]
         sub.close()

@@ -1,5 +1,7 @@
 """The router's inventory index and cost model, against Dynamo's own indexer on the same events."""
 
+import dataclasses
+import itertools
 import random
 import time
 
@@ -35,11 +37,66 @@ def tokens_for(seed, n):
 
 def test_tier_continuation_matches_dynamo_semantics():
     index = InventoryIndex(block_size=BLOCK)
-    t = tokens_for(1, 5)
-    for first, n, medium in ((0, 2, "GPU"), (2, 1, "CPU_PINNED"), (3, 1, "DISK"), (4, 1, "EXTERNAL")):
+    t = tokens_for(1, 6)
+    for first, n, medium in ((0, 2, "GPU"), (2, 1, "CPU_PINNED"), (3, 1, "CPU_TIER1"), (4, 1, "DISK"),
+                             (5, 1, "EXTERNAL")):
         index.apply("w1", batch(stored(t, first, n, medium)[0]))
     o = index.overlaps(index.sequence_hashes(t))[("w1", 0)]
-    assert (o.device, o.host, o.disk) == (2, 1, 2)  # Dynamo: gpu 32, cpu 48, disk 80 tokens
+    # Dynamo (CPU_TIER1 is its host tier): gpu 32, cpu 64, disk 96 tokens; the runner lacks block 0
+    assert o == Overlap(device=2, host=1, dram=1, disk=2, runner=0) and o.depth == 6
+
+
+ONE_BLOCK = {"device": Overlap(device=1), "host": Overlap(host=1), "dram": Overlap(dram=1, runner=1),
+             "disk": Overlap(disk=1, runner=1), "shared": Overlap(disk=1)}
+
+
+@pytest.mark.parametrize("medium, tier", [
+    (None, "device"), ("GPU", "device"), ("DEVICE", "device"),
+    ("CPU", "host"), ("CPU_PINNED", "host"),  # the engine's host pool: its runner cannot serve it
+    ("CPU_TIER1", "dram"),                    # a runner's DRAM
+    ("CPU_TIER2", "disk"), ("DISK", "disk"), ("NVME", "disk"), ("STORAGE", "disk"),
+    ("EXTERNAL", "shared"), ("SHARED", "shared"), ("REMOTE", "shared"), ("NETWORK", "shared"),
+])
+def test_each_medium_lands_in_its_tier_and_only_runner_media_count_for_the_runner(medium, tier):
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(11, 1)
+    event = dataclasses.replace(stored(t, 0, 1, "GPU")[0], medium=medium)
+    index.apply("w1", batch(event))
+    assert index.overlaps(index.sequence_hashes(t)) == {("w1", 0): ONE_BLOCK[tier]}
+    index.apply("w1", batch(BlockRemoved(block_hashes=event.block_hashes, medium=medium)))
+    assert index.overlaps(index.sequence_hashes(t)) == {} and index.num_blocks() == 0
+
+
+@pytest.mark.parametrize("layout, want", [
+    ((("GPU", 4), ("CPU_TIER1", 6)), Overlap(device=4, dram=2, runner=6)),
+    ((("GPU", 4), ("CPU_PINNED", 6)), Overlap(device=4, host=2, runner=0)),
+    ((("CPU_TIER1", 2), ("DISK", 5)), Overlap(dram=2, disk=3, runner=5)),
+    ((("CPU_TIER1", 2), ("EXTERNAL", 5)), Overlap(dram=2, disk=3, runner=2)),
+    ((("CPU_PINNED", 3), ("NVME", 6)), Overlap(host=3, disk=3, runner=6)),
+])
+def test_runner_depth_counts_the_runners_leading_blocks_apart_from_the_continuation(layout, want,
+                                                                                    hash_and_index_loops):
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(12, 6)
+    for medium, n in layout:  # each medium holds blocks 0..n-1
+        index.apply("w1", batch(stored(t, 0, n, medium)[0]))
+    assert index.overlaps(index.sequence_hashes(t))[("w1", 0)] == want
+
+
+MEDIA = ("GPU", "CPU_PINNED", "CPU_TIER1", "DISK", "EXTERNAL")
+
+
+@pytest.mark.parametrize("gone, kept", list(itertools.permutations(MEDIA, 2)))
+def test_the_last_copy_in_one_tier_going_keeps_the_classes_the_other_tier_fills(gone, kept, hash_and_index_loops):
+    t = tokens_for(13, 2)
+    index, alone = InventoryIndex(block_size=BLOCK), InventoryIndex(block_size=BLOCK)
+    ev_gone, ann = stored(t, 0, 2, gone)
+    index.apply("w1", batch(ev_gone, stored(t, 0, 2, kept)[0],
+                            BlockRemoved(block_hashes=tuple(a.event_hash for a in ann), medium=gone)))
+    alone.apply("w1", batch(stored(t, 0, 2, kept)[0]))
+    seq = index.sequence_hashes(t)
+    assert index.overlaps(seq) == alone.overlaps(seq)
+    assert index._masks == alone._masks  # the same lanes, none left behind
 
 
 def test_removals_are_reference_counted_and_a_clear_wipes_every_tier():
@@ -79,6 +136,23 @@ def test_salted_and_lora_blocks_match_only_requests_with_the_same_namespace():
     assert index.overlaps(index.sequence_hashes(t, cache_salt="tenant-a"))[("w1", 0)].device == 2
 
 
+@pytest.mark.parametrize("overlap, want", [
+    (Overlap(device=4), 6.0),                   # 10 - 1.0 * 4
+    (Overlap(host=8), 4.0),                     # 10 - 0.75 * 8: the engine's host pool
+    (Overlap(dram=8, runner=8), 6.0),           # 10 - 0.5 * 8: a runner's DRAM; `runner` earns nothing more
+    (Overlap(disk=8, runner=8), 8.0),           # 10 - 0.25 * 8
+    (Overlap(device=2, host=2, dram=2, disk=2, runner=4), 10 - 2 - 1.5 - 1 - 0.5),
+])
+def test_each_tier_is_credited_at_its_weight(overlap, want):
+    assert cost(CostModel(), overlap, Load(), 10, BLOCK, 0) == pytest.approx(want)
+
+
+def test_the_runner_dram_weight_is_its_own_knob():
+    model = CostModel(runner_dram_hit_weight=1.0)
+    assert cost(model, Overlap(dram=8, runner=8), Load(), 10, BLOCK, 0) == pytest.approx(2.0)
+    assert cost(model, Overlap(host=8), Load(), 10, BLOCK, 0) == pytest.approx(4.0)
+
+
 def test_cost_model_picks_the_cheapest_and_breaks_ties_by_id():
     model = CostModel()
     overlaps = {("a", 0): Overlap(device=4), ("b", 0): Overlap(host=8), ("c", 0): Overlap()}
@@ -91,7 +165,7 @@ def test_cost_model_picks_the_cheapest_and_breaks_ties_by_id():
 def test_the_source_is_the_peer_with_the_strictly_longest_prefix_and_the_hint_parses():
     index = InventoryIndex(block_size=BLOCK)
     t = tokens_for(5, 4)
-    ev_a, ann = stored(t, 0, 4, "CPU_PINNED")
+    ev_a, ann = stored(t, 0, 4, "CPU_TIER1")
     index.apply("a", batch(ev_a))
     index.apply("b", batch(stored(t, 0, 1, "GPU")[0]))
     seq = index.sequence_hashes(t)
@@ -101,6 +175,34 @@ def test_the_source_is_the_peer_with_the_strictly_longest_prefix_and_the_hint_pa
     assert hint.source_control_endpoint == "tcp://a:1"
     assert hint.block_hashes == tuple(to_u64(a.event_hash) for a in ann)  # the source engine's own hashes
     assert choose_source(index, ("a", 0), seq, overlaps, {("b", 0): "tcp://b:1"}) is None
+
+
+ENDPOINTS = {(w, 0): f"tcp://{w}:1" for w in "abcdt"}
+
+
+@pytest.mark.parametrize("holdings, source, depth", [
+    # a worker holding blocks only on device or in its engine's host pool is never a source
+    ({"a": (("GPU", 6),), "b": (("CPU_PINNED", 6),)}, None, 0),
+    ({"a": (("GPU", 6),), "b": (("CPU_TIER1", 3),)}, "b", 3),              # by runner depth, not depth
+    ({"a": (("GPU", 6), ("CPU_TIER1", 4)), "b": (("DISK", 5),)}, "b", 5),
+    ({"a": (("CPU_TIER1", 2), ("DISK", 6)), "b": (("CPU_TIER1", 6),)}, "a", 6),  # a tie: the lower id
+    ({"a": (("EXTERNAL", 6),), "b": (("CPU_TIER1", 2), ("EXTERNAL", 6))}, "b", 2),  # a shared pool: not its runner
+    ({"a": (("CPU_TIER1", 1),)}, None, 0),                                  # not beyond the target's own depth
+])
+def test_the_source_is_chosen_by_runner_depth_and_its_hint_names_only_runner_held_blocks(holdings, source, depth):
+    index = InventoryIndex(block_size=BLOCK)
+    t = tokens_for(14, 6)
+    for worker, layout in {**holdings, "t": (("GPU", 1),)}.items():
+        for medium, n in layout:
+            index.apply(worker, batch(stored(t, 0, n, medium)[0]))
+    seq = index.sequence_hashes(t)
+    envelope = choose_source(index, ("t", 0), seq, index.overlaps(seq), ENDPOINTS)
+    if source is None:
+        assert envelope is None
+        return
+    hint = parse_envelope(envelope)
+    assert hint.source_control_endpoint == ENDPOINTS[(source, 0)]
+    assert hint.block_hashes == tuple(to_u64(a.event_hash) for a in announce_request(t, BLOCK)[:depth])
 
 
 @pytest.mark.dynamo
@@ -124,7 +226,7 @@ def test_overlaps_equal_what_dynamos_indexer_reports_for_the_same_events(indexer
         prompts = [tokens_for(100 + i, 6) for i in range(4)]
         depth = {}  # (prompt, medium) -> blocks stored there, like an engine extends and evicts a chain
         for _ in range(60):
-            p, medium = rng.randrange(len(prompts)), rng.choice(["GPU", "CPU_PINNED", "DISK"])
+            p, medium = rng.randrange(len(prompts)), rng.choice(["GPU", "CPU_PINNED", "CPU_TIER1", "DISK"])
             d = depth.get((p, medium), 0)
             if d and rng.random() < 0.3:  # evict the chain's tail
                 ann = announce_request(prompts[p], BLOCK)[d - 1]
@@ -140,7 +242,7 @@ def test_overlaps_equal_what_dynamos_indexer_reports_for_the_same_events(indexer
             index.apply("7", batch(event))
         for t in prompts:
             ours = index.overlaps(index.sequence_hashes(t)).get(("7", 0), Overlap())
-            want = {"gpu": ours.device * BLOCK, "cpu": (ours.device + ours.host) * BLOCK,
+            want = {"gpu": ours.device * BLOCK, "cpu": (ours.device + ours.host + ours.dram) * BLOCK,
                     "disk": ours.depth * BLOCK}
             wait_until(lambda: {k: reg.query(t).get(k, 0) for k in want} == want, 15, 0.2,
                        f"Dynamo's view {reg.query(t)} equals ours ({want})")
@@ -153,13 +255,13 @@ def test_a_clear_in_the_middle_of_a_batch_keeps_what_follows_and_bits_are_reused
     index = InventoryIndex(block_size=BLOCK)
     t = tokens_for(6, 2)
     first, _ = stored(t, 0, 1, "GPU")
-    index.apply("w1", batch(first, AllBlocksCleared(), stored(t, 0, 2, "CPU_PINNED")[0]))
+    index.apply("w1", batch(first, AllBlocksCleared(), stored(t, 0, 2, "CPU_TIER1")[0]))
     seq = index.sequence_hashes(t)
-    assert index.overlaps(seq)[("w1", 0)] == Overlap(host=2)
+    assert index.overlaps(seq)[("w1", 0)] == Overlap(dram=2, runner=2)
     for i in range(200):  # workers coming and going never grow the bitmasks
         index.apply(f"x{i}", batch(first))
         index.remove_worker(f"x{i}")
-    assert max(index._bits.values()).bit_length() <= 4  # two workers' lanes
+    assert max(index._bits.values()).bit_length() <= 6  # two workers' lanes, five each
 
 
 def test_vllm_salt_in_extra_keys_namespaces_the_block():
@@ -196,7 +298,7 @@ def test_overlaps_follow_per_tier_reference_counts_through_random_stores_removal
     index = InventoryIndex(block_size=BLOCK)
     prompts = [tokens_for(100 + seed * 10 + p, 6) for p in range(2)]
     seqs = [index.sequence_hashes(t) for t in prompts]
-    media = {"device": "GPU", "host": "CPU_PINNED", "disk": "DISK"}
+    media = {"device": "GPU", "host": "CPU_PINNED", "dram": "CPU_TIER1", "disk": "DISK", "shared": "EXTERNAL"}
     counts: dict = {}
     for _ in range(300):
         worker, p, tier = rng.choice("abc"), rng.randrange(2), rng.choice(list(media))
@@ -222,7 +324,7 @@ def test_overlaps_follow_per_tier_reference_counts_through_random_stores_removal
 
 
 def index_knows(counts: dict, worker: str, seq: int) -> bool:
-    return any(counts.get((worker, seq, t), 0) for t in ("device", "host", "disk"))
+    return any(counts.get((worker, seq, t), 0) for t in ("device", "host", "dram", "disk", "shared"))
 
 
 def expected_overlaps(counts: dict, seq_hashes: list[int]) -> dict:
@@ -236,9 +338,10 @@ def expected_overlaps(counts: dict, seq_hashes: list[int]) -> dict:
             while n < len(seq_hashes) and held(seq_hashes[n], tiers):
                 n += 1
             return n
-        dev, dh, anywhere = run(("device",)), run(("device", "host")), run(("device", "host", "disk"))
+        dev, dh, dhr = run(("device",)), run(("device", "host")), run(("device", "host", "dram"))
+        anywhere = run(("device", "host", "dram", "disk", "shared"))
         if anywhere:
-            out[(worker, 0)] = Overlap(dev, dh - dev, anywhere - dh)
+            out[(worker, 0)] = Overlap(dev, dh - dev, dhr - dh, anywhere - dhr, runner=run(("dram", "disk")))
     return out
 
 
@@ -246,7 +349,7 @@ def _random_stream(seed: int, n: int = 400):
     """Stores (runs from the root or continuing one), removals in every tier, duplicates, clears."""
     rng = random.Random(seed)
     prompts = [tokens_for(500 + seed * 10 + p, 8) for p in range(3)]
-    media = ("GPU", "CPU_PINNED", "DISK")
+    media = ("GPU", "CPU_PINNED", "CPU_TIER1", "DISK", "NVME", "EXTERNAL")
     for _ in range(n):
         worker, p, medium, op = rng.choice("ab"), rng.randrange(3), rng.choice(media), rng.random()
         if op < 0.6:
@@ -286,12 +389,22 @@ def test_the_c_index_loops_leave_exactly_the_state_the_python_ones_do(seed, monk
 
 @pytest.mark.parametrize("call, problem", [
     (lambda n: n.stored({}, {}, [1], [2], 0, 1), "slot 0"),
-    (lambda n: n.stored({2: (1, 0, 0, 0)}, {}, [1], [2], 1, 1), "held entry"),
-    (lambda n: n.removed({1: 2}, {2: [1, 1]}, {}, [1], 1, 1, (0,) * 8), "held entry"),
-    (lambda n: n.removed({}, {}, {}, [1], 2, 1, (0,) * 7), "drops"),
+    (lambda n: n.stored({}, {}, [1], [2], 6, 1), "slot 6"),
+    (lambda n: n.stored({2: (1, 0, 0, 0, 0, 0)}, {}, [1], [2], 1, 1), "held entry"),
+    (lambda n: n.removed({1: 2}, {2: [1, 1]}, {}, [1], 1, 1, (0,) * 32), "held entry"),
+    (lambda n: n.removed({1: 2}, {2: [1, 1, 0, 0]}, {}, [1], 1, 1, (0,) * 32), "held entry"),  # the 3-tier entry
+    (lambda n: n.removed({}, {}, {}, [1], 2, 1, (0,) * 8), "drops"),
     (lambda n: n.stored({}, {}, 5, [2], 1, 1), "externals"),
 ])
 def test_the_c_index_loops_refuse_what_the_index_never_passes_by_name(call, problem):
     native = pytest.importorskip("router_hints._inventory")
     with pytest.raises((TypeError, ValueError), match=problem):
         call(native)
+
+
+def test_the_c_index_loops_count_the_tiers_the_index_does():
+    from router_hints import index as index_module
+
+    native = pytest.importorskip("router_hints._inventory")
+    assert native.NUM_TIERS == index_module._NUM_TIERS
+    assert len(index_module._DROP_LANES[0]) == 1 << native.NUM_TIERS

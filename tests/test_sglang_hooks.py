@@ -356,3 +356,33 @@ def test_an_engine_open_to_other_hosts_without_keys_may_not_pull_from_any_hinted
             rewrite_args(argv)
     else:
         rewrite_args(argv)
+
+
+def _events_of(args):
+    return json.loads(args[args.index("--kv-events-config") + 1]) if "--kv-events-config" in args else None
+
+
+def test_by_default_the_engine_publishes_its_events_for_its_runner_to_relay(tmp_path):
+    args = rewrite_args(["--model-path", "m", "--hicache-storage-backend", "kvcr"], str(tmp_path))
+    events = _events_of(args)
+    assert events["endpoint"] == f"ipc://{tmp_path}/events" and events["bind"] is True
+    extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra["runner"] == {"events.engine_endpoint": events["endpoint"],
+                               "events.engine_replay_endpoint": events["replay_endpoint"]}
+    server_args = prepare_server_args(args)  # SGLang's own parser takes it
+    assert json.loads(server_args.kv_events_config)["replay_endpoint"] == f"ipc://{tmp_path}/replay"
+
+
+@pytest.mark.parametrize("extra_args", [
+    ["--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'],  # the operator's own
+    ["--hicache-storage-backend-extra-config", '{"engine_events": false}'],       # turned off
+    ["--hicache-storage-backend-extra-config", '{"runner": {"events.engine_endpoint": "tcp://127.0.0.1:9"}}'],
+    ["--dp-size", "2"],                                                               # one socket per rank: not yet
+    ["--hicache-storage-backend-extra-config", '{"sidecar": "tcp://127.0.0.1:5600"}'],  # the sidecar's config says
+])
+def test_the_engines_events_are_left_as_the_operator_set_them(tmp_path, extra_args):
+    args = rewrite_args(["--model-path", "m", "--hicache-storage-backend", "kvcr", *extra_args], str(tmp_path))
+    events = _events_of(args)
+    assert events is None or events["endpoint"] == "tcp://*:5557"
+    extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra.get("runner", {}).get("events.engine_endpoint") in (None, "tcp://127.0.0.1:9")

@@ -197,12 +197,12 @@ class SGLangDriver(Driver):
                                     "max_abs_logprob": verdict["max_abs_logprob"], "tolerance": ORACLE_TOLERANCE})
 
     def _depth(self, worker: str, ids: list[int]) -> int:
-        """Pages of `ids` the router's index holds for `worker` (any tier)."""
+        """Leading pages of `ids` the router's index holds in `worker`'s runner (its backup)."""
         status, _, raw = http(self.url + "/debug/index?route=generate", {"input_ids": ids}, timeout_s=10.0)
         if status != 200:
             raise OSError(f"router /debug/index: HTTP {status}: {raw[:300]!r}")
         rows = [r for r in json.loads(raw)["workers"] if r["worker"] == worker]
-        return sum(rows[0]["overlap"].values()) if rows else 0
+        return rows[0]["runner"] if rows else 0
 
     def _wait_for_backup(self, worker: str, ids: list[int]) -> int:
         want = len(ids) // self.page_size

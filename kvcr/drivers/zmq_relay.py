@@ -13,7 +13,7 @@ import zmq
 
 from .zmq_replay import ReplayAnswer, fetch_replay
 
-from ..proto.events import EventError, decode_frames
+from ..proto.events import BlockStored, EventError, decode_frames
 from ..proto.relay import EngineMirror, RelayStep
 
 log = logging.getLogger(__name__)
@@ -21,13 +21,15 @@ log = logging.getLogger(__name__)
 
 class EngineRelay:
     def __init__(self, ctx: zmq.Context, runner, *, endpoint: str, replay_endpoint: str = "",
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, hold_s: float = 0.0) -> None:
         self._ctx = ctx
         self.runner = runner
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
-        self.mirror = EngineMirror(block_size=runner.cfg.runner.block_size)
+        self.mirror = EngineMirror(block_size=runner.cfg.runner.block_size, hold_s=hold_s,
+                                   runner_holds=runner.holds_event_hash)
+        runner.follower = self._runner_published
         self.num_relayed = 0
         self.num_malformed = 0
         self.num_problems = 0
@@ -54,6 +56,7 @@ class EngineRelay:
             while not self._stop.is_set():
                 if sub.poll(100):
                     self._on_frames(sub.recv_multipart())
+                self._expire()
         except BaseException as exc:  # reported by health()
             self.error = exc
             log.exception("engine relay stopped")
@@ -71,12 +74,24 @@ class EngineRelay:
         if answer is None:
             return
         with self.runner.lock:
-            self.rebuilt_complete = self.mirror.rebuild(answer.batches)
+            self.rebuilt_complete = self.mirror.rebuild(answer.batches, self.runner.clock())
             if self.rebuilt_complete:
                 self.runner.relay(RelayStep(events=tuple(self.mirror.inventory())))
         if not self.rebuilt_complete:
             log.warning("engine replay no longer starts at seq 0: its blocks are announced again only as "
                         "the engine re-stores them")
+
+    def _runner_published(self, events) -> tuple:
+        """Under the runner lock: engine blocks held back for pages the runner just stored."""
+        stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+        return self.mirror.runner_stored(stored, self.runner.clock()) if stored else ()
+
+    def _expire(self) -> None:
+        if self.mirror.waiting:
+            with self.runner.lock:
+                shown = self.mirror.expire(self.runner.clock())
+                if shown:
+                    self._apply(RelayStep(events=shown))
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
@@ -88,14 +103,14 @@ class EngineRelay:
         self.num_malformed += len(batch.rejected)
         # The mirror changes under the runner lock, so a snapshot sees it and our pages together.
         with self.runner.lock:
-            step = self.mirror.on_batch(seq, batch)
+            step = self.mirror.on_batch(seq, batch, self.runner.clock())
             if step.replay_from < 0:
                 self._apply(step)
                 return
         answer = self._replay(step.replay_from)  # network I/O: outside the lock
         with self.runner.lock:
             for replay_step in self.mirror.after_replay(answer.batches if answer else (), step.replay_from, seq,
-                                                         batch):
+                                                         batch, self.runner.clock()):
                 self._apply(replay_step)
 
     def _apply(self, step: RelayStep) -> None:

@@ -15,11 +15,16 @@ import msgpack
 from .keys import U64_MASK
 
 # Tier names an unmodified Dynamo 1.6 consumer accepts (case-sensitive); anything else is dropped.
+# Dynamo reads CPU_PINNED and CPU_TIER1 both as its host tier; kvcr's routers tell them apart: the
+# engine's own host pool (SGLang's L2) is CPU_PINNED, a runner's DRAM pool CPU_TIER1 (docs/events.md).
 MEDIUM_GPU = "GPU"
-MEDIUM_DRAM = "CPU_PINNED"
+MEDIUM_ENGINE_HOST = "CPU_PINNED"
+MEDIUM_DRAM = "CPU_TIER1"
 MEDIUM_DISK = "DISK"
 KNOWN_MEDIA = frozenset({"GPU", "DEVICE", "CPU", "CPU_PINNED", "CPU_TIER1", "CPU_TIER2", "DISK", "NVME",
                          "STORAGE", "EXTERNAL", "SHARED", "REMOTE", "NETWORK"})
+# Media a runner serves to peers (its DRAM and NVMe tiers): only these make a worker a pull source.
+RUNNER_MEDIA = frozenset({"CPU_TIER1", "CPU_TIER2", "DISK", "NVME", "STORAGE"})
 REPLAY_END_SEQ = b"\xff" * 8
 _I64_MIN = -(1 << 63)
 _INT_ONLY = {int}

@@ -2,12 +2,13 @@
 
 For engines that pass no hint to storage (stock SGLang behind Dynamo): the destination follows
 its peers' events itself and asks the one holding the longest run of the pages it misses.
-Blocks are the engines' own event hashes (u64), counted per medium like a router's index.
+Blocks are the engines' own event hashes (u64), counted per medium like a router's index; only
+the media a runner serves count (a peer's relayed engine tiers are not something it can hand over).
 """
 
 from __future__ import annotations
 
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from .events import RUNNER_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from .keys import U64_MASK
 
 
@@ -18,10 +19,10 @@ class PeerInventory:
     def apply(self, peer: str, batch: EventBatch) -> None:
         held = self._held.setdefault(peer, {})
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored) and event.medium in RUNNER_MEDIA:
                 for h in event.block_hashes:
                     held.setdefault(h & U64_MASK, set()).add(event.medium)
-            elif isinstance(event, BlockRemoved):
+            elif isinstance(event, BlockRemoved) and event.medium in RUNNER_MEDIA:
                 for h in event.block_hashes:
                     media = held.get(h & U64_MASK)
                     if media is not None:

@@ -21,7 +21,7 @@ from itertools import chain, islice
 from typing import Iterable, Sequence
 
 from .announce import Announce
-from .events import BlockRemoved, BlockStored, Event
+from .events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
 from .keys import StorageKey
 
 
@@ -100,9 +100,12 @@ class PoolStats:
     num_dirty: int = 0
 
 
+_EVER_HELD_MAX = 1 << 18  # ~25 MB of memory at most, whatever the pool's size
+
+
 class PagePool:
     def __init__(self, name: str, *, page_bytes: int, num_slots: int, block_size: int,
-                 medium: str = "CPU_PINNED", high_watermark: float = 1.0, low_watermark: float = 1.0,
+                 medium: str = MEDIUM_DRAM, high_watermark: float = 1.0, low_watermark: float = 1.0,
                  lower: bool = False) -> None:
         if num_slots < 1:
             raise PoolError(f"pool {name!r} has no room for a single {page_bytes}-byte page")
@@ -128,6 +131,10 @@ class PagePool:
         self._in_flight: dict[int, tuple[Page, float]] = {}
         self.dropped: Counter[str] = Counter()  # pages evicted that no tier below kept, by Keep reason
         self._by_event_hash: dict[int, str] = {}
+        # hash(key) of the pages committed here lately, oldest first: tells a peer's claim for a page
+        # we let go (an eviction race) from one for a page we never held (a router's mistake).
+        self._ever: dict[int, None] = {}
+        self._ever_cap = min(4 * num_slots, _EVER_HELD_MAX)
         self._events: list[Event] = []
         self.num_filling = 0
         self.num_ready = 0
@@ -276,11 +283,28 @@ class PagePool:
                 self._dirty[page.key] = now
             if page.announce is not None:
                 self._by_event_hash[page.announce.event_hash] = page.key
+            self._remember(page.key)
         self._touch_chain(committed)
         self._events.extend(coalesce_stored(committed, self.block_size, self.medium))
         # Pages read back from the tier below are about to be served: not the ones to evict now.
         self._evict_to_watermark(protect={p.key for p in committed} if clean else frozenset())
         return len(committed)
+
+    def _remember(self, key: str) -> None:
+        ever = self._ever
+        ever.pop(hash(key), None)
+        ever[hash(key)] = None
+        if len(ever) > self._ever_cap:
+            del ever[next(iter(ever))]
+
+    def remember(self, keys: Iterable[str]) -> None:
+        """Pages this runner holds outside DRAM (its NVMe tier found them at start)."""
+        for key in keys:
+            self._remember(key)
+
+    def ever_held(self, key: str) -> bool:
+        """Whether `key` was committed here within the last `_ever_cap` commits (bounded memory)."""
+        return hash(key) in self._ever
 
     # --- reading and pinning ------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from kvcr.proto import messages as m
 from ..breaker import Breakers
 from ..core import Route, RouterCore
 from ..discovery import DiscoveryError, from_runner_info
-from ..index import Worker
+from ..index import Overlap, Worker
 from ..scoring import Load
 from kvcr.text import RequestError, TextTokenizer, request_cache_salt, request_tokens
 from . import front
@@ -36,6 +36,7 @@ from .config import RouterConfig, RouterConfigError, WorkerEntry, load_router_co
 from .dynamo_discovery import entries_from_cards, fetch_cards
 
 log = logging.getLogger(__name__)
+_NO_OVERLAP = Overlap()  # a worker holding none of the request, as /debug/index shows it
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # What every worker answers alike: asked of one routable worker (the next, if it fails).
 ANY_WORKER_GETS = ("/v1/models", "/v1/models/{model:.+}", "/model_info", "/get_model_info", "/server_info",
@@ -64,7 +65,8 @@ class RouterMetrics:
         r = self.registry
         self.decisions = Counter("kvcr_router_decisions", "Requests routed, by target worker and route",
                                  ["worker", "route"], registry=r)
-        self.overlap = Counter("kvcr_router_overlap_blocks", "Cached blocks of the chosen target, by tier",
+        self.overlap = Counter("kvcr_router_overlap_blocks", "Cached blocks of the chosen target, by tier "
+                               "(device, host, dram, disk; runner: the leading blocks its runner holds)",
                                ["tier"], registry=r)
         self.hints = Counter("kvcr_router_hints", "Source hints: issued, posted to the target runner, attached to "
                              "the body, failed to post", ["outcome"], registry=r)
@@ -218,10 +220,11 @@ class Router:
         decision = self.decide(tokens, cache_salt=cache_salt)
         rows = []
         for w in self.core.alive():
-            o = decision.overlaps.get(w)
+            o = decision.overlaps.get(w, _NO_OVERLAP)
+            # "overlap" sums to the depth; "runner" overlaps it: the leading blocks a hint may name
             rows.append({"worker": w[0], "dp_rank": w[1],
-                         "overlap": {"device": o.device, "host": o.host, "disk": o.disk} if o else
-                         {"device": 0, "host": 0, "disk": 0},
+                         "overlap": {"device": o.device, "host": o.host, "dram": o.dram, "disk": o.disk},
+                         "runner": o.runner,
                          "load": asdict(self.core.loads.get(w, Load())), "cost": decision.choice.costs[w]})
         return {"tokens": len(tokens), "block_size": self.cfg.block_size, "request_blocks": decision.request_blocks,
                 "cost_model": asdict(self.cfg.cost), "workers": rows,
@@ -405,7 +408,8 @@ class Router:
     def _count(self, route: str, decision: Route) -> None:
         self.metrics.decisions.labels(self.entries[decision.choice.worker].name, route).inc()
         o = decision.choice.overlap
-        for tier, n in (("device", o.device), ("host", o.host), ("disk", o.disk)):
+        for tier, n in (("device", o.device), ("host", o.host), ("dram", o.dram), ("disk", o.disk),
+                        ("runner", o.runner)):
             self.metrics.overlap.labels(tier).inc(n)
 
     async def debug_index(self, request: web.Request) -> web.Response:

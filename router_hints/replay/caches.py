@@ -3,7 +3,7 @@
 Each tier is an LRU over block ids, touched on use and filled after the request, a request's
 head most recent (as kvcr's pool touches a chain). NVMe is written behind: a block stored in DRAM
 is stored on NVMe too, so each tier evicts on its own. Every change is published as the vLLM
-events a kvcr runner sends (`CPU_PINNED`, `DISK`), for the router's real index to consume.
+events a kvcr runner sends (`CPU_TIER1` for its DRAM, `DISK`), for the router's real index to consume.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class WorkerCache:
         """The request was served here: its blocks are held (touched or stored) in both tiers;
         returns the events that says (none unless `publish`)."""
         events: list[Event] = []
-        for tier, medium in ((self.dram, "CPU_PINNED"), (self.nvme, "DISK")):
+        for tier, medium in ((self.dram, "CPU_TIER1"), (self.nvme, "DISK")):
             stored, evicted = tier.fill(blocks)
             if not publish:
                 continue

@@ -145,12 +145,13 @@ class LiveServer:
             time.sleep(0.2)
 
     def stored(self, timeout_s: float = 30.0) -> list:
-        """The BlockStored events of its runner's inventory (a snapshot), chain order."""
+        """The BlockStored events of its runner's own tiers (a snapshot), chain order; the engine's
+        tiers its runner relays are left out."""
         from kvcr.client import ControlClient
-        from kvcr.proto.events import BlockStored
+        from kvcr.proto.events import RUNNER_MEDIA, BlockStored
 
         with ControlClient(self.endpoints["control"], timeout_s=timeout_s) as client:
-            return [e for e in client.snapshot()[1] if isinstance(e, BlockStored)]
+            return [e for e in client.snapshot()[1] if isinstance(e, BlockStored) and e.medium in RUNNER_MEDIA]
 
     def stored_hashes(self) -> list[int]:
         return [h for e in self.stored() for h in e.block_hashes]

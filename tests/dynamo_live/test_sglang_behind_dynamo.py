@@ -32,7 +32,9 @@ def sglang_pair(dynamo, tmp_path):
     # On 2 shared cores the busy holder's in-process runner can answer a claim after the default
     # control timeout and prefetch budget, which makes Dynamo's hint a miss (the designed outcome,
     # tested in test_hint_faults.py); here the pull itself is under test, so both wait for it.
-    engines = [LiveServer(tmp_path, name, model, runner={"runner.control_timeout_s": 10.0},
+    # Each runner's DRAM (64 pages of 8 KiB) is smaller than its engine's host pool (512): the engine's own
+    # events, relayed by default, carry blocks the runner may not hold, which Dynamo must never hint.
+    engines = [LiveServer(tmp_path, name, model, runner={"runner.control_timeout_s": 10.0, "dram.size": "512Ki"},
                           args=["--hicache-storage-prefetch-policy", "wait_complete"]) for name in ("sa", "sb")]
     bridges = []
     try:
@@ -94,9 +96,9 @@ def test_sglang_engines_behind_dynamo_reuse_and_pull_on_dynamos_hint(sglang_pair
     assert complete(fe, p)["usage"]["prompt_tokens"] == len(tokens)
     holder = next(e for e in (sa, sb) if int(fe.selections()[-1]["worker_id"]) == e.dynamo_id)
     other = sb if holder is sa else sa
-    # HiCache backs the prompt's pages up into the holder's runner: Dynamo counts them as host-pinned.
-    wait_for(lambda: probe.overlaps(tokens)[(holder.dynamo_id, 0)]["host"] >= full - 1, 20,
-             "the holder's backed-up pages in Dynamo")
+    # The engine's device blocks reach Dynamo through its runner's stream, once the runner holds them too.
+    wait_for(lambda: probe.overlaps(tokens)[(holder.dynamo_id, 0)]["device"] >= full - 1, 20,
+             "the holder's device blocks in Dynamo")
     follow = complete(fe, p + " then more")
     assert int(fe.selections()[-1]["worker_id"]) == holder.dynamo_id
     assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= (full - 1) * BLOCK
@@ -121,8 +123,16 @@ def test_sglang_engines_behind_dynamo_reuse_and_pull_on_dynamos_hint(sglang_pair
     assert runner_metric(holder, "kvcr_hits_total") >= full - 1
     wait_for(lambda: runner_metric(holder, "kvcr_claims_held") == 0, 10, "the holder's claims released")
     assert tok.decode(engine_answer(other, tok.encode(ask, add_special_tokens=False).ids, 6)) == answer["choices"][0]["text"]
-    wait_for(lambda: probe.overlaps(tokens)[(other.dynamo_id, 0)]["host"] >= full - 1, 20,
+    wait_for(lambda: held(probe, tokens, other) >= full - 1, 20,
              "the pulled pages kept and announced by the other engine's runner")
+    # Dynamo's hint named only pages the holder's runner held.
+    assert runner_metric(holder, 'kvcr_hint_unheld_pages_total{cause="never_held"}') == 0
+
+
+def held(probe, tokens: list[int], engine, salt: str | None = None) -> int:
+    """Leading blocks Dynamo believes `engine` holds on device or in host memory (its runner's DRAM)."""
+    seen = probe.overlaps(tokens, salt)[(engine.dynamo_id, 0)]
+    return max(seen["device"], seen["host"])
 
 
 def _capture(errors: list, fn, *args, **kwargs) -> None:
@@ -141,9 +151,8 @@ def test_a_tenants_pages_behind_dynamo_serve_only_its_own_salt(sglang_pair):
     full = len(tokens) // BLOCK
     complete(fe, p, nvext={"cache_salt": "tenant-a"})
     holder = next(e for e in engines if int(fe.selections()[-1]["worker_id"]) == e.dynamo_id)
-    wait_for(lambda: probe.overlaps(tokens, "tenant-a")[(holder.dynamo_id, 0)]["host"] >= full - 1, 20,
-             "the holder's tenant-a pages in Dynamo")
-    assert probe.overlaps(tokens)[(holder.dynamo_id, 0)]["host"] == 0
+    wait_for(lambda: held(probe, tokens, holder, "tenant-a") >= full - 1, 20, "the holder's tenant-a pages in Dynamo")
+    assert held(probe, tokens, holder) == 0
     for salt in (None, "tenant-b"):
         answer = complete(fe, p + " then more", **({"nvext": {"cache_salt": salt}} if salt else {}))
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, salt

@@ -18,7 +18,7 @@ import pytest
 
 from kvcr.client import ControlClient
 from kvcr.demo.httpc import get_json, http
-from kvcr.proto.events import BlockStored
+from kvcr.proto.events import RUNNER_MEDIA, BlockStored
 from kvcr.proto.keys import U64_MASK
 from router_hints.http.front import hint_hashes
 from kvcr.text import TextTokenizer, parse_messages
@@ -74,7 +74,8 @@ def depth(view: dict, worker: str) -> int:
 
 def runner_hashes(server) -> set[int]:
     with ControlClient(server.endpoints["control"]) as client:
-        return {h & U64_MASK for e in client.snapshot()[1] if isinstance(e, BlockStored) for h in e.block_hashes}
+        return {h & U64_MASK for e in client.snapshot()[1] if isinstance(e, BlockStored) and e.medium in RUNNER_MEDIA
+                for h in e.block_hashes}
 
 
 def load(front, worker: str) -> dict:
