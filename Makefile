@@ -108,6 +108,7 @@ bench: sglang-setup dynamo-setup | bench-deps
 	KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python $(VENV)/bin/python bench/dynamo_frontend.py
 	$(VENV)/bin/python bench/sglang_adapter.py
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live.py
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/vs_sglang_router.py
 	$(PIP) install py-spy
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions $(VENV)/bin/python bench/sglang_live_profile.py
 	$(VENV)/bin/python bench/pull_breakdown.py --py-spy

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvcr.config import CurveKeys
 from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from kvcr.proto.events import EventBatch
 
+from .active import ActiveBlocks
 from .discovery import DiscoveryError, Publisher
 from .index import InventoryIndex, Overlap, Worker
 from .liveness import Liveness
 from .scoring import Choice, CostModel, Load, choose, choose_source
+
+_NO_OVERLAP = Overlap()
+_IDLE = Load()
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,8 @@ class Route:
     hint: dict | None  # kv_hint envelope naming a peer with a longer prefix, if any
     request_blocks: int
     overlaps: dict  # per worker holding the first block: its overlap by tier
+    seq_hashes: tuple[int, ...] = ()  # the request's blocks (what the target will hold)
+    loads: dict = field(default_factory=dict)  # per candidate: the load it was scored with
 
 
 @dataclass
@@ -38,6 +44,7 @@ class RouterCore:
     dead_after_s: float = 0.0  # a kvcr runner's stream silent this long: the worker is dead (0: never)
     clock: Callable[[], float] = time.monotonic
     curve: CurveKeys | None = None  # the deployment keypair, for runners whose events speak CURVE
+    active_linger_s: float = 5.0  # a routed prefix counts as on its target's device this long after it ends
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.dead_after_s)
@@ -45,6 +52,7 @@ class RouterCore:
         self.subscriber = Subscriber(on_unrepaired=self._lost)
         self.publishers: dict[Worker, Publisher] = {}
         self.loads: dict[Worker, Load] = {}
+        self.active = ActiveBlocks(self.active_linger_s)  # what requests in flight put on each device
         self.num_batches = 0
         self.num_gaps = self.num_replayed = self.num_snapshots = 0  # how the index was kept whole
         self.needs_snapshot: set[Worker] = set()  # lost a gap replay could not repair
@@ -83,6 +91,7 @@ class RouterCore:
         for worker in [w for w in self.publishers if w[0] == worker_id]:
             del self.publishers[worker]
             self.loads.pop(worker, None)
+            self.active.forget(worker)
             self.subscriber.remove(f"{worker[0]}:{worker[1]}")
             self.liveness.forget(worker)
             self.needs_snapshot.discard(worker)
@@ -147,13 +156,22 @@ class RouterCore:
         if pinned is not None and pinned not in candidates:
             raise LookupError(f"pinned worker {pinned} is not a known worker" if pinned not in self.publishers
                               else f"pinned worker {pinned} is down (its events stopped)")
-        choice = choose(self.model, candidates, overlaps, self.loads, max(1, len(seq)), self.block_size, self.rng)
+        now = self.clock()
+        self.active.expire(now)
+        loads = {}
+        for w in candidates:
+            # A prefix a request in flight is computing is on that device before its events say so.
+            ahead = self.active.held_depth(w, seq, now)
+            if ahead > overlaps.get(w, _NO_OVERLAP).depth:
+                overlaps[w] = Overlap(device=ahead, runner=overlaps.get(w, _NO_OVERLAP).runner)
+            loads[w] = replace(self.loads.get(w, _IDLE), potential_decode_blocks=self.active.decode_blocks(w, seq))
+        choice = choose(self.model, candidates, overlaps, loads, max(1, len(seq)), self.block_size, self.rng)
         if pinned is not None:
             choice = Choice(pinned, choice.costs[pinned], overlaps.get(pinned, Overlap()), choice.costs)
         endpoints = {w: p.control for w, p in self.publishers.items() if p.control and w in candidates}
         roles = {w: p.role for w, p in self.publishers.items()}
         hint = choose_source(self.index, choice.worker, seq, overlaps, endpoints, roles)
-        return Route(choice, hint, len(seq), overlaps)
+        return Route(choice, hint, len(seq), overlaps, tuple(seq), loads)
 
     def close(self) -> None:
         self.subscriber.close()

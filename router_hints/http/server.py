@@ -225,7 +225,7 @@ class Router:
             rows.append({"worker": w[0], "dp_rank": w[1],
                          "overlap": {"device": o.device, "host": o.host, "dram": o.dram, "disk": o.disk},
                          "runner": o.runner,
-                         "load": asdict(self.core.loads.get(w, Load())), "cost": decision.choice.costs[w]})
+                         "load": asdict(decision.loads.get(w, Load())), "cost": decision.choice.costs[w]})
         return {"tokens": len(tokens), "block_size": self.cfg.block_size, "request_blocks": decision.request_blocks,
                 "cost_model": asdict(self.cfg.cost), "workers": rows,
                 "choice": {"worker": decision.choice.worker[0], "dp_rank": decision.choice.worker[1],
@@ -340,6 +340,7 @@ class Router:
                                 max(0, decision.request_blocks - max(decision.choice.overlap.depth, source_depth)),
                                 decision.request_blocks)
         front.book(self.core.loads, booking)  # before any await: concurrent requests see this load
+        self.core.active.start(target, list(decision.seq_hashes))
         self.metrics.inflight.labels(entry.name).inc()
         try:
             if decision.hint is not None:
@@ -347,6 +348,7 @@ class Router:
             return await self._relay(request, entry, route, body, booking)
         finally:
             front.finished(self.core.loads, booking)
+            self.core.active.finish(target, list(decision.seq_hashes), self.core.clock())
             self.metrics.inflight.labels(entry.name).dec()
 
     async def _issue_hint(self, route: str, target: Worker, body: dict, hint: dict) -> dict:

@@ -131,8 +131,9 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
     assert view["tokens"] == len(ids2) and view["request_blocks"] == len(ids2) // PAGE
     assert view["choice"]["worker"] == a.name and view["hint"] is None  # A idle: its cache wins
 
-    # A is loaded: a long streaming request the router itself books, pinned to A, decoding.
-    held_text = turn1 + " " + prompt_text(303, 150)
+    # A is loaded: a long streaming request on another prompt, which the router itself books,
+    # pinned to A, decoding (one sharing turn 1's prefix would add only its tail to A's load).
+    held_text = prompt_text(303, 600)
     held_blocks = len(tok.encode(held_text)) // PAGE
     held_body = {"text": held_text, "sampling_params": {"max_new_tokens": 3200, **GREEDY}, "stream": True}
     held = HeldStream(front.url, held_body, a.name)
@@ -142,8 +143,8 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
         wait_until(lambda: load(front, a.name) == {**IDLE, "potential_decode_blocks": held_blocks,
                                                    "active_requests": 1},
                    timeout_s=10, message="the router booked the held request on A")
-        # Dynamo's cost: A's 0.75 credit per host block it holds (shared) is less than the decode
-        # blocks the held request books (held_blocks > shared), so idle B is cheaper.
+        # Dynamo's cost: A's device credit for the prefix it holds (shared) is less than the
+        # distinct decode blocks the held request books there (held_blocks > shared): idle B is cheaper.
         view = debug(front, {"text": turn2})
         assert view["choice"]["worker"] == b.name
         assert depth(view, a.name) == shared and depth(view, b.name) == 0
