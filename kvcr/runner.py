@@ -313,9 +313,9 @@ class Runner:
         digests when asked). Pages not yet registered for peers' GETs (`registered`) refuse the
         whole claim as Busy, a miss the peer retries; a claim that cannot be answered is released."""
         claim = self.claim(pool, keys, owner=owner, lease_s=lease_s)
-        if len(claim.pages) < len(keys):
-            self._count_unheld(pool, keys[len(claim.pages):])
         try:
+            if len(claim.pages) < len(keys):
+                self._count_unheld(pool, keys[len(claim.pages):])
             offsets = tuple(self.offset(pool, p.slot) for p in claim.pages)
             size = self.layouts[pool].page_bytes
             if registered is not None and not registered(offsets, size):

@@ -20,11 +20,14 @@ class ActiveBlocks:
     linger_s: float = 5.0
     _active: dict[Worker, Counter] = field(default_factory=dict)   # seq hash -> requests holding it
     _recent: dict[Worker, dict[int, float]] = field(default_factory=dict)  # ended: seq hash -> until
+    _next_expiry: float = 0.0
 
     def start(self, worker: Worker, seq_hashes: list[int]) -> None:
         self._active.setdefault(worker, Counter()).update(seq_hashes)
 
-    def finish(self, worker: Worker, seq_hashes: list[int], now: float) -> None:
+    def finish(self, worker: Worker, seq_hashes: list[int], now: float, *, computed: bool = True) -> None:
+        """The request ended; `computed`: the worker served it (a refused or failed one left no
+        prefix on its device to linger)."""
         active, recent = self._active.get(worker), self._recent.setdefault(worker, {})
         if active is None:
             return
@@ -33,13 +36,17 @@ class ActiveBlocks:
             active[h] -= 1
             if active[h] <= 0:
                 del active[h]
-                recent[h] = until
+                if computed:
+                    recent[h] = until
 
     def forget(self, worker: Worker) -> None:
         self._active.pop(worker, None)
         self._recent.pop(worker, None)
 
     def expire(self, now: float) -> None:
+        if now < self._next_expiry:  # asked on every route: a sweep at most every tenth of linger_s
+            return
+        self._next_expiry = now + self.linger_s / 10
         for worker, recent in self._recent.items():
             gone = [h for h, until in recent.items() if until <= now]
             for h in gone:

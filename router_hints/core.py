@@ -36,6 +36,16 @@ class Route:
     loads: dict = field(default_factory=dict)  # per candidate: the load it was scored with
 
 
+def on_device(o: Overlap, ahead: int) -> Overlap:
+    """`o` with its first `ahead` blocks on device (more than it holds there): the lower tiers
+    keep only what continues past them."""
+    cut, rest = ahead - o.device, [o.host, o.dram, o.disk]
+    for i, n in enumerate(rest):
+        rest[i] -= min(n, cut)
+        cut -= min(n, cut)
+    return Overlap(device=ahead, host=rest[0], dram=rest[1], disk=rest[2], runner=o.runner)
+
+
 @dataclass
 class RouterCore:
     block_size: int
@@ -162,8 +172,8 @@ class RouterCore:
         for w in candidates:
             # A prefix a request in flight is computing is on that device before its events say so.
             ahead = self.active.held_depth(w, seq, now)
-            if ahead > overlaps.get(w, _NO_OVERLAP).depth:
-                overlaps[w] = Overlap(device=ahead, runner=overlaps.get(w, _NO_OVERLAP).runner)
+            if ahead > overlaps.get(w, _NO_OVERLAP).device:
+                overlaps[w] = on_device(overlaps.get(w, _NO_OVERLAP), ahead)
             loads[w] = replace(self.loads.get(w, _IDLE), potential_decode_blocks=self.active.decode_blocks(w, seq))
         choice = choose(self.model, candidates, overlaps, loads, max(1, len(seq)), self.block_size, self.rng)
         if pinned is not None:

@@ -31,7 +31,7 @@ from .hooks import UnsupportedSGLang, check_version
 BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"
 EVENTS_FLAG = "--kv-events-config"
-DP_FLAGS = ("--dp-size", "--data-parallel-size")
+DP_FLAGS = ("--dp-size", "--data-parallel-size", "--attn-dp-size", "--attention-data-parallel-size")
 DYNAMIC = {"backend_name": "kvcr", "module_path": "sglang_adapter.storage", "class_name": "KVCRStorage",
            "interface_v1": 1}
 # bench/sglang_adapter.py (docs/sglang.md): warm 8k/32k-token pulls took 66/156 ms (p99) on one host,
@@ -130,7 +130,8 @@ def rewrite_args(argv: list[str], events_dir: str | None = None) -> list[str]:
     events = _engine_events(argv, adapter, events_dir)
     if events is not None:
         relay = {"events.engine_endpoint": events["endpoint"], "events.engine_replay_endpoint": events["replay_endpoint"]}
-        extra = {**extra, "runner": {**relay, **(extra.get("runner") or {})}}
+        # Last: a nested `events` table of the operator's must not replace them (it names no engine endpoint).
+        extra = {**extra, "runner": {**(extra.get("runner") or {}), **relay}}
         out += [EVENTS_FLAG, json.dumps(events)]
     # TP > 1 and MLA engines attach every rank to the worker's sidecar runner.
     backend = {**DYNAMIC, "class_name": "KVCRSidecarStorage", "module_path": "sglang_adapter.sidecar"} \
@@ -219,10 +220,9 @@ def main(argv: list[str] | None = None, *, prog: str = PROG) -> int:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    load_plugins()
-    server_args = prepare_server_args(args)
     try:
-        run_server(server_args)
+        load_plugins()
+        run_server(prepare_server_args(args))
     finally:
         try:
             kill_process_tree(os.getpid(), include_parent=False)  # waits until every child is reaped

@@ -156,14 +156,22 @@ def test_a_held_back_block_is_shown_after_hold_s_or_never_if_the_engine_drops_it
         assert removed == (BlockRemoved(block_hashes=(1,), medium="GPU"),)
 
 
-def test_stores_of_a_shown_block_are_counted_and_removals_match_them(gated):
+def test_the_router_hears_of_a_block_once_and_of_its_removal_when_the_last_copy_goes(gated):
     mirror, held = gated
     held.add(1)
     mirror.on_batch(0, batch(gpu_stored([1])), now=0.0)
-    assert mirror.on_batch(1, batch(gpu_stored([1])), now=0.1).events == (gpu_stored([1]),)
+    assert mirror.on_batch(1, batch(gpu_stored([1])), now=0.1).events == ()  # as a snapshot would: once
     gone = batch(BlockRemoved(block_hashes=(1,), medium="GPU"))
-    assert mirror.on_batch(2, gone, now=0.2).events == gone.events
+    assert mirror.on_batch(2, gone, now=0.2).events == ()
     assert mirror.on_batch(3, gone, now=0.3).events == gone.events and mirror.inventory() == []
+
+
+def test_the_removal_of_a_block_the_mirror_never_held_is_not_relayed():
+    mirror = EngineMirror(block_size=BLOCK)
+    mirror.on_batch(0, batch(gpu_stored([1])))
+    step = mirror.on_batch(1, batch(BlockRemoved(block_hashes=(7, 1), medium="CPU_PINNED"),
+                                    BlockRemoved(block_hashes=(7, 1), medium="GPU")))
+    assert step.events == (BlockRemoved(block_hashes=(1,), medium="GPU"),)
 
 
 def test_engine_media_are_held_apart(gated):

@@ -5,8 +5,9 @@ import pytest
 
 from kvcr.proto.events import BlockStored, EventBatch
 from router_hints.active import ActiveBlocks
-from router_hints.core import RouterCore
+from router_hints.core import RouterCore, on_device
 from router_hints.discovery import Publisher
+from router_hints.index import Overlap
 
 BLOCK = 4
 A, B = ("a", 0), ("b", 0)
@@ -76,3 +77,19 @@ def test_a_target_computing_the_prefix_already_is_not_hinted_to_pull_it(core):
     assert route.hint is not None  # A's runner holds what B lacks
     core.active.start(B, list(route.seq_hashes))
     assert core.route(tokens, pinned=B).hint is None  # B is computing it already
+
+
+def test_a_request_that_failed_leaves_no_prefix_behind():
+    active = ActiveBlocks(linger_s=5.0)
+    active.start(A, [1, 2])
+    active.finish(A, [1, 2], now=0.0, computed=False)
+    assert active.held_depth(A, [1, 2], now=0.0) == 0
+
+
+@pytest.mark.parametrize("held, ahead, expected", [
+    (Overlap(dram=10, runner=10), 10, Overlap(device=10, runner=10)),
+    (Overlap(device=2, host=3, dram=5, runner=5), 4, Overlap(device=4, host=1, dram=5, runner=5)),
+    (Overlap(disk=3, runner=3), 6, Overlap(device=6, runner=3)),
+])
+def test_a_prefix_in_flight_is_scored_as_on_device_whatever_else_holds_it(held, ahead, expected):
+    assert on_device(held, ahead) == expected

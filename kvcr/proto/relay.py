@@ -46,9 +46,9 @@ class RelayStep:
 class _Block:
     parent: int | None
     event: BlockStored  # the single-block event to re-announce (keeps the engine's extra fields)
-    count: int = 1      # the engine's stores minus its removals
-    told: int = 0       # stores forwarded to the router (<= count; 0 while held back)
-    since: float = 0.0  # when the engine first stored it
+    count: int = 1       # the engine's stores minus its removals
+    told: bool = False   # the router was told of it (once, as snapshots and rebuilds tell it)
+    since: float = 0.0   # when the engine first stored it
 
 
 def _never(_event_hash: int) -> bool:
@@ -138,7 +138,7 @@ class EngineMirror:
         return parent_known and self.runner_holds(key[1])
 
     def _show(self, key: tuple[str | None, int], block: _Block) -> None:
-        block.told = 1
+        block.told = True
         self.shown[key[1]] = self.shown.get(key[1], 0) + 1
 
     def _release(self, now: float) -> tuple[Event, ...]:
@@ -192,34 +192,31 @@ class EngineMirror:
                 del self.waiting[key]
                 self._show(key, block)
                 shows.append(block.event)
-            elif key not in self.waiting:  # shown already: the router counts this store too
-                block.told += 1
-                shows.append(block.event)
             parent = h
         if len(shows) == len(event.block_hashes):
             return [event]
         return shows
 
     def _remove(self, event: BlockRemoved) -> list[Event]:
-        """Removals the router was told the stores of (a held-back block leaves unseen)."""
+        """The removal of blocks the router was told of, once the engine holds none of them. A
+        block we never mirrored is not the router's either (it was cleared with us): forwarding
+        its removal would take a runner copy Dynamo counts in the same tier."""
         forward = []
         for h in event.block_hashes:
             key = (event.medium, to_int64(h))
             block = self.blocks.get(key)
             if block is None:
-                forward.append(h)  # not ours to judge: the router ignores what it does not hold
                 continue
             block.count -= 1
-            if block.told > block.count:
-                block.told -= 1
+            if block.count > 0:
+                continue
+            del self.blocks[key]
+            self.waiting.pop(key, None)
+            if block.told:
                 forward.append(h)
-                if not block.told:
-                    self.shown[key[1]] -= 1
-                    if not self.shown[key[1]]:
-                        del self.shown[key[1]]
-            if block.count <= 0:
-                del self.blocks[key]
-                self.waiting.pop(key, None)
+                self.shown[key[1]] -= 1
+                if not self.shown[key[1]]:
+                    del self.shown[key[1]]
         if len(forward) == len(event.block_hashes):
             return [event]
         return [BlockRemoved(block_hashes=tuple(forward), medium=event.medium, extra=event.extra)] if forward else []

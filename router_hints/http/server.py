@@ -342,13 +342,16 @@ class Router:
         front.book(self.core.loads, booking)  # before any await: concurrent requests see this load
         self.core.active.start(target, list(decision.seq_hashes))
         self.metrics.inflight.labels(entry.name).inc()
+        served = False
         try:
             if decision.hint is not None:
                 body = await self._issue_hint(route, target, body, decision.hint)
-            return await self._relay(request, entry, route, body, booking)
+            outcome = await self._relay(request, entry, route, body, booking)
+            served = not isinstance(outcome, Failed)
+            return outcome
         finally:
             front.finished(self.core.loads, booking)
-            self.core.active.finish(target, list(decision.seq_hashes), self.core.clock())
+            self.core.active.finish(target, list(decision.seq_hashes), self.core.clock(), computed=served)
             self.metrics.inflight.labels(entry.name).dec()
 
     async def _issue_hint(self, route: str, target: Worker, body: dict, hint: dict) -> dict:
