@@ -18,12 +18,9 @@ from kvcr.proto.events import EventBatch
 
 from .active import ActiveBlocks
 from .discovery import DiscoveryError, Publisher
-from .index import InventoryIndex, Overlap, Worker
+from .index import NO_OVERLAP, InventoryIndex, Overlap, Worker
 from .liveness import Liveness
-from .scoring import Choice, CostModel, Load, choose, choose_source
-
-_NO_OVERLAP = Overlap()
-_IDLE = Load()
+from .scoring import IDLE, Choice, CostModel, Load, choose, choose_source
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +169,9 @@ class RouterCore:
         for w in candidates:
             # A prefix a request in flight is computing is on that device before its events say so.
             ahead = self.active.held_depth(w, seq, now)
-            if ahead > overlaps.get(w, _NO_OVERLAP).device:
-                overlaps[w] = on_device(overlaps.get(w, _NO_OVERLAP), ahead)
-            loads[w] = replace(self.loads.get(w, _IDLE), potential_decode_blocks=self.active.decode_blocks(w, seq))
+            if ahead > overlaps.get(w, NO_OVERLAP).device:
+                overlaps[w] = on_device(overlaps.get(w, NO_OVERLAP), ahead)
+            loads[w] = replace(self.loads.get(w, IDLE), potential_decode_blocks=self.active.decode_blocks(w, seq))
         choice = choose(self.model, candidates, overlaps, loads, max(1, len(seq)), self.block_size, self.rng)
         if pinned is not None:
             choice = Choice(pinned, choice.costs[pinned], overlaps.get(pinned, Overlap()), choice.costs)

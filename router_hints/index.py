@@ -77,6 +77,9 @@ class Overlap:
         return self.device + self.host + self.dram + self.disk
 
 
+NO_OVERLAP = Overlap()  # a worker holding none of a request
+
+
 @dataclass
 class _WorkerState:
     # engine hash (u64) -> our content sequence hash

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from kvcr.proto.hints import build_envelope
 
-from .index import InventoryIndex, Overlap, Worker
+from .index import NO_OVERLAP, InventoryIndex, Overlap, Worker
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,8 +32,7 @@ class Load:
     active_requests: int = 0
 
 
-_IDLE = Load()      # a candidate without a load entry
-_NONE = Overlap()   # a candidate holding none of the request
+IDLE = Load()      # a candidate without a load entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +62,9 @@ def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Ov
     over normalised costs when the model has a temperature."""
     if not candidates:
         raise ValueError("no candidate workers")
-    min_prefill = min(loads.get(w, _IDLE).active_prefill_tokens for w in candidates) \
+    min_prefill = min(loads.get(w, IDLE).active_prefill_tokens for w in candidates) \
         if model.overlap_score_credit_decay else 0  # read by the decay alone
-    costs = {w: cost(model, overlaps.get(w, _NONE), loads.get(w, _IDLE), request_blocks, block_size,
+    costs = {w: cost(model, overlaps.get(w, NO_OVERLAP), loads.get(w, IDLE), request_blocks, block_size,
                      min_prefill) for w in candidates}
     lo = min(costs.values())
     if model.temperature > 0:
@@ -75,7 +74,7 @@ def choose(model: CostModel, candidates: list[Worker], overlaps: dict[Worker, Ov
     else:
         tied = [w for w in candidates if costs[w] == lo]
         pick = tied[0] if len(tied) == 1 else min(tied, key=worker_order)
-    return Choice(pick, costs[pick], overlaps.get(pick, _NONE), costs)
+    return Choice(pick, costs[pick], overlaps.get(pick, NO_OVERLAP), costs)
 
 
 @lru_cache(maxsize=4096)  # asked for every candidate of every decision; workers are few
@@ -92,7 +91,7 @@ def choose_source(index: InventoryIndex, target: Worker, seq_hashes: list[int], 
     when no peer's runner beats the target. Blocks only on a peer's device or engine host pool are
     never hinted: its runner cannot serve them."""
     roles = roles or {}
-    mine = overlaps.get(target, _NONE).depth
+    mine = overlaps.get(target, NO_OVERLAP).depth
     role = roles.get(target, "aggregated")
     peers = [(w, o.runner) for w, o in overlaps.items()
              if w != target and o.runner > mine and endpoints.get(w) and roles.get(w, "aggregated") == role]

@@ -28,7 +28,7 @@ from kvcr.proto import messages as m
 from ..breaker import Breakers
 from ..core import Route, RouterCore
 from ..discovery import DiscoveryError, from_runner_info
-from ..index import Overlap, Worker
+from ..index import NO_OVERLAP, Worker
 from ..scoring import Load
 from kvcr.text import RequestError, TextTokenizer, request_cache_salt, request_tokens
 from . import front
@@ -36,7 +36,6 @@ from .config import RouterConfig, RouterConfigError, WorkerEntry, load_router_co
 from .dynamo_discovery import entries_from_cards, fetch_cards
 
 log = logging.getLogger(__name__)
-_NO_OVERLAP = Overlap()  # a worker holding none of the request, as /debug/index shows it
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # What every worker answers alike: asked of one routable worker (the next, if it fails).
 ANY_WORKER_GETS = ("/v1/models", "/v1/models/{model:.+}", "/model_info", "/get_model_info", "/server_info",
@@ -220,7 +219,7 @@ class Router:
         decision = self.decide(tokens, cache_salt=cache_salt)
         rows = []
         for w in self.core.alive():
-            o = decision.overlaps.get(w, _NO_OVERLAP)
+            o = decision.overlaps.get(w, NO_OVERLAP)
             # "overlap" sums to the depth; "runner" overlaps it: the leading blocks a hint may name
             rows.append({"worker": w[0], "dp_rank": w[1],
                          "overlap": {"device": o.device, "host": o.host, "dram": o.dram, "disk": o.disk},
