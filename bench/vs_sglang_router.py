@@ -6,10 +6,11 @@ Two live SGLang 0.5.23 engines (the development-only CPU harness) take SGLang's 
 (`python -m sglang.benchmark.serving`, `generated-shared-prefix`, `--cache-report
 --output-details`) through each router in front of them:
 
-- `kvcr router` on kvcr engines (the launcher's defaults: the engines' own events relayed);
+- `kvcr router` on kvcr engines (the launcher's defaults: the engines' own events relayed, and
+  each engine finds the other in the user's peers directory);
 - sglang-router 0.3.2 (its own environment, `.venv-sglang-router`) with `cache_aware` at its
   default thresholds and with `--balance-abs-threshold` tuned to the load, and `round_robin`;
-- `round_robin` on kvcr engines that follow each other as `peers` (opportunistic pulls);
+- `round_robin` on kvcr engines with discovery off (`peers_dir: ""`): what the defaults add;
 - `round_robin` and `cache_aware` on SGLang's stock `file` backend, both engines in one directory
   (what an operator has without kvcr).
 
@@ -76,7 +77,7 @@ QUICK = {"fits": Workload("fits", 3, 4, 200, 2.0, 2), "exceeds": Workload("excee
 @dataclass(frozen=True)
 class System:
     name: str
-    engines: str             # which engine set: "kvcr", "kvcr-peers", "file"
+    engines: str             # which engine set: "kvcr", "kvcr-alone", "kvcr-timeout", "file"
     router: str              # "kvcr" or an sglang-router policy
     router_args: tuple[str, ...] = ()
 
@@ -85,7 +86,9 @@ SYSTEMS = (System("kvcr router", "kvcr", "kvcr"),
            System("sglang-router cache_aware", "kvcr", "cache_aware"),
            System("sglang-router cache_aware tuned", "kvcr", "cache_aware", ("--balance-abs-threshold", "2")),
            System("sglang-router round_robin", "kvcr", "round_robin"),
-           System("sglang-router round_robin, kvcr peers", "kvcr-peers", "round_robin"),
+           System("sglang-router round_robin, kvcr peers off", "kvcr-alone", "round_robin"),
+           System("sglang-router round_robin, kvcr timeout prefetch", "kvcr-timeout", "round_robin"),
+           System("sglang-router cache_aware, kvcr timeout prefetch", "kvcr-timeout", "cache_aware"),
            System("sglang-router round_robin, SGLang file", "file", "round_robin"),
            System("sglang-router cache_aware, SGLang file", "file", "cache_aware"))
 
@@ -100,6 +103,7 @@ class Run:
     p99_ttft: float
     mean_e2e: float
     ttfts: list[float] = field(default_factory=list)  # s, in request order
+    stages: dict[str, float] = field(default_factory=dict)  # where the time went: mean per request
 
 
 def wait_http(url: str, timeout_s: float = 120.0) -> None:
@@ -121,15 +125,18 @@ class EngineSet:
 
         self.kind, self.run, self.model, self.sgr_python = kind, run, model, sgr_python
         self.file_dir = run / "hicache-file"
-        args = ["--enable-cache-report"]
+        args = ["--enable-cache-report", "--enable-metrics"]  # metrics: where each request's time went
         if kind == "file":
             env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.file_dir)}
             self.engines = [LiveServer(run, f"file-{n}", model, backend="file", env=env, args=args) for n in "AB"]
         else:
-            self.engines = [LiveServer(run, f"{kind}-{n}", model, args=args) for n in "AB"]
-            if kind == "kvcr-peers":  # each follows the other's runner stream and pulls on it
-                a, b = self.engines
-                a.extra["peers"], b.extra["peers"] = [b.endpoints["control"]], [a.endpoints["control"]]
+            # kvcr's default peers_dir ("auto") under a runtime directory of this run's own
+            (run / "runtime").mkdir(mode=0o700, exist_ok=True)
+            runtime = {"XDG_RUNTIME_DIR": str(run / "runtime")}
+            if kind == "kvcr-timeout":  # admitted when the pull lands or the prefetch budget runs out
+                args = [*args, "--hicache-storage-prefetch-policy", "timeout"]
+            self.engines = [LiveServer(run, f"{kind}-{n}", model, args=args, env=runtime,
+                                       peers_dir="" if kind == "kvcr-alone" else None) for n in "AB"]
         self.free_port = free_port
         self.routers: dict[tuple, tuple[str, Callable[[], object]]] = {}  # -> (url, how to stop it)
 
@@ -180,6 +187,21 @@ class EngineSet:
             raise
         return url, proc.kill
 
+    def counters(self, system: System) -> dict[str, float]:
+        """The engines' (and kvcr's) counters the breakdown is computed from, summed over engines."""
+        from kvcr.demo.sglang_driver import metric
+
+        texts = [e.get("/metrics") for e in self.engines]
+        got = {key: sum(metric(t, name, **labels) for t in texts) for key, (name, labels) in ENGINE_COUNTERS.items()}
+        got["pulled_pages"] = (sum(metric(e.runner_get("/metrics"), "kvcr_pulled_pages_total") for e in self.engines)
+                               if self.kind != "file" else 0.0)
+        if system.router == "kvcr":
+            url = self.router_url(system)
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            got["route_s"] = metric(text, "kvcr_router_route_seconds_sum")
+        return got
+
     def cold(self) -> None:
         """Every run starts from empty caches (and an empty shared directory)."""
         for e in self.engines:
@@ -187,6 +209,26 @@ class EngineSet:
         if self.kind == "file":
             for page in self.file_dir.iterdir():
                 page.unlink()
+
+
+# SGLang's own metrics (--enable-metrics): sums and counts of the stages of a request's first token.
+ENGINE_COUNTERS = {
+    "requests": ("sglang:time_to_first_token_seconds_count", {}),
+    "engine_ttft_s": ("sglang:time_to_first_token_seconds_sum", {}),
+    "queue_s": ("sglang:queue_time_seconds_sum", {}),  # waiting, a storage prefetch included
+    "load_back_tokens": ("sglang:load_back_tokens_total", {}),  # host pages to device (its timer needs CUDA)
+    "prefill_s": ("sglang:per_stage_req_latency_seconds_sum", {"stage": "prefill_forward"}),
+    "storage_hit_tokens": ("sglang:storage_prefetch_hit_tokens_total", {}),
+}
+
+
+def stages(before: dict[str, float], after: dict[str, float], run: Run) -> dict[str, float]:
+    """Mean per request over one run, in ms (tokens and pages as counts)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = max(d.pop("requests"), 1.0)
+    out = {k: v / n * (1e3 if k.endswith("_s") else 1) for k, v in d.items()}
+    out["front_s"] = run.mean_ttft - out["engine_ttft_s"]  # routing and proxying, as the client sees it
+    return out
 
 
 def client(url: str, workload: Workload, model: Path, out: Path, seed: int) -> Run:
@@ -220,8 +262,10 @@ def measure(workload: Workload, repeats: int, run: Path, model: Path, sgr_python
                     print(f"  {workload.name}, {kind} engines, repeat {r + 1}/{repeats}: {system.name} "
                           f"({i}/{len(order)})", flush=True)
                     engines.cold()
-                    got[system.name].append(client(engines.router_url(system), workload, model,
-                                                   run / "client.jsonl", seed=7))
+                    url, before = engines.router_url(system), engines.counters(system)
+                    result = client(url, workload, model, run / "client.jsonl", seed=7)
+                    result.stages = stages(before, engines.counters(system), result)
+                    got[system.name].append(result)
     return got
 
 
@@ -249,7 +293,27 @@ def report(workload: Workload, got: dict[str, list[Run]]) -> tuple[list[str], st
                     f"{Spread.of([r.mean_e2e for r in runs]).fmt(1, 0)} | {ratio.fmt() if ratio else '-'} |")
     columns = ["router and engines", "ok", "cached share", "from device", "mean TTFT ms", "p99 TTFT ms",
                "mean e2e ms", "TTFT / anchor's, per prompt"]
-    return [f"**{workload.name}**: {workload.describe()}.", "", *table(columns, rows)], anchor
+    return [f"**{workload.name}**: {workload.describe()}.", "", *table(columns, rows), "",
+            *breakdown(workload, got)], anchor
+
+
+BREAKDOWN = (("front_s", "in front of the engine", 1), ("route_s", "of which kvcr's routing", 2),
+             ("engine_ttft_s", "engine TTFT", 1), ("queue_s", "queued (prefetch wait included)", 1),
+             ("prefill_s", "prefill forward", 1), ("load_back_tokens", "tokens loaded host→device", 0),
+             ("storage_hit_tokens", "storage-hit tokens", 0), ("pulled_pages", "pages pulled from the peer", 1))
+
+
+def breakdown(workload: Workload, got: dict[str, list[Run]]) -> list[str]:
+    """Where a request's time went before its first token: mean per request, median over repeats."""
+    rows = []
+    for system in (s for s in SYSTEMS if s.name in got):
+        runs = got[system.name]
+        cells = [Spread.of([r.stages.get(key, 0.0) for r in runs]).fmt(1, digits) if key in runs[0].stages else "-"
+                 for key, _, digits in BREAKDOWN]
+        rows.append(f"| {system.name} | " + " | ".join(cells) + " |")
+    return [f"Where the time went ({workload.name}; mean per request, ms unless a count; from SGLang's own "
+            "`--enable-metrics` counters, kvcr's router and runners; the engine's TTFT runs from its tokenizer "
+            "to the first token):", "", *table(["router and engines", *(label for _, label, _ in BREAKDOWN)], rows)]
 
 
 def main() -> int:

@@ -57,7 +57,8 @@ class Service:
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint,
                                  hold_s=ev.engine_hold_s) if ev.engine_endpoint else None
-        self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=make_registry(self),
+        self.metrics = make_registry(self)  # an embedding process may register its own collectors here
+        self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=self.metrics,
                                info=self.public_info, health=self.health, token=cfg.http_token())
         self.stopped = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)

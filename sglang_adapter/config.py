@@ -39,8 +39,11 @@ class AdapterConfig:
     pull_timeout_s: float = _key(10.0, "a transfer's deadline before it is cancelled")
     peers: tuple[str, ...] = _key((), "peers' runner endpoints (tcp:// control or http:// info) whose event "
                                       "streams are followed")
-    opportunistic: bool = _key(True, "with peers: pull from the peer that announced the pages when no hint "
-                                     "names a source")
+    # One host: engines find each other with no list (as SGLang's `file` backend shares its directory).
+    peers_dir: str = _key("auto", "a directory (only ours) where runners leave their info and find their peers' "
+                                  "(auto: $XDG_RUNTIME_DIR/kvcr/peers, else <tmp>/kvcr-<uid>/peers; \"\" off)")
+    opportunistic: bool = _key(True, "with peers (listed or found): pull from the peer that announced the pages "
+                                     "when no hint names a source")
     # TP > 1 or MLA: every rank attaches to this worker's (and DP rank's) sidecar.
     sidecar: str = _key("", "TP > 1 or MLA: the worker's `kvcr serve` sidecar control endpoint "
                             "(class KVCRSidecarStorage)")
@@ -52,7 +55,8 @@ class AdapterConfig:
 
 
 KEY_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
-             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "opportunistic": bool,
+             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "peers_dir": str,
+             "opportunistic": bool,
              "sidecar": str, "engine_events": bool}
 
 

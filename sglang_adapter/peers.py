@@ -1,5 +1,6 @@
 """Opportunistic sources: follow the peers' event streams (a thread), so a lookup that brings no
-hint can still find which peer holds the pages (Dynamo with stock SGLang workers)."""
+hint can still find which peer holds the pages (Dynamo with stock SGLang workers, any router that
+knows nothing of kvcr). Peers come from a list of endpoints and from a peers directory."""
 
 from __future__ import annotations
 
@@ -7,23 +8,32 @@ import logging
 import threading
 import time
 
+from prometheus_client.core import GaugeMetricFamily
+
 from kvcr.client import ControlClient, ControlError, fetch_info
 from kvcr.config import CurveKeys
 from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
 from kvcr.proto.events import EventBatch
 from kvcr.proto.peer_inventory import PeerInventory
 
+from .peer_directory import PeerDirectory
+
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
 
 
 class PeerFeed:
-    def __init__(self, endpoints: list[str], own_control: str, curve: CurveKeys | None = None) -> None:
+    def __init__(self, endpoints: list[str], own_control: str, curve: CurveKeys | None = None, *,
+                 directory: PeerDirectory | None = None, namespaces: frozenset[str] = frozenset()) -> None:
         self.own = own_control
         self.curve = curve  # our runner's keys: its peers share them
         self.inventory = PeerInventory()
         self.lock = threading.Lock()
         self._waiting = list(endpoints)   # info endpoints not reached yet
+        self.directory = directory
+        self.namespaces = namespaces      # a directory peer serving none of our pools is not followed
+        self._followed: set[str] = set()   # control endpoints whose streams we subscribe to
+        self._listed: dict[str, str] = {}  # directory file name -> the control endpoint followed for it
         # peer -> when to (re)load its snapshot: just joined, or lost batches replay could not repair
         self._resync: dict[str, float] = {}
         self.subscriber = Subscriber(on_unrepaired=lambda peer: self._resync.setdefault(peer, 0.0))
@@ -48,14 +58,43 @@ class PeerFeed:
                 log.debug("peer %s not usable yet: %s", endpoint, exc)
                 continue
             self._waiting.remove(endpoint)
-            if control == self.own:
+            self._follow(control, events, replay, info.get("events_curve") is True)
+
+    def _scan(self) -> None:
+        """Follow the directory's new entries; stop following those whose files went."""
+        entries = self.directory.entries()
+        for name in set(self._listed) - set(entries):
+            self._unfollow(self._listed.pop(name))
+        for name, entry in entries.items():
+            if name in self._listed:
                 continue
-            if info.get("events_curve") is True and self.curve is None:
-                log.warning("peer %s publishes its events with CURVE and this runner holds no keys: not followed",
-                            control)
+            self._listed[name] = entry.control
+            if self.namespaces and not self.namespaces & entry.namespace_digests:
+                log.info("peer %s serves another model or layout: not followed", entry.control)
                 continue
-            self.subscriber.add(control, events, replay, self.curve if info.get("events_curve") is True else None)
-            self._resync[control] = 0.0
+            self._follow(entry.control, entry.events, entry.replay, entry.events_curve)
+
+    def _follow(self, control: str, events: str, replay: str | None, events_curve: bool) -> None:
+        if control == self.own or control in self._followed:
+            return
+        if events_curve and self.curve is None:
+            log.warning("peer %s publishes its events with CURVE and this runner holds no keys: not followed",
+                        control)
+            return
+        log.info("following peer %s", control)
+        self.subscriber.add(control, events, replay, self.curve if events_curve else None)
+        self._followed.add(control)
+        self._resync[control] = 0.0
+
+    def _unfollow(self, control: str) -> None:
+        if control not in self._followed:
+            return
+        log.info("peer %s left", control)
+        self._followed.discard(control)
+        self.subscriber.remove(control)
+        self._resync.pop(control, None)
+        with self.lock:
+            self.inventory.forget(control)
 
     def _snapshot(self, control: str) -> None:
         try:
@@ -68,14 +107,18 @@ class PeerFeed:
         with self.lock:
             self.inventory.forget(control)
             self.inventory.apply(control, EventBatch(ts=time.time(), events=tuple(events)))
+        log.info("peer %s: snapshot loaded (%d events)", control, len(events))
         self.subscriber.start_after(control, seq)
         self._resync.pop(control, None)
 
     def _run(self) -> None:
         next_try = 0.0
         while not self._stop.is_set():
-            if self._waiting and time.monotonic() >= next_try:
-                self._discover()
+            if time.monotonic() >= next_try:
+                if self._waiting:
+                    self._discover()
+                if self.directory is not None:
+                    self._scan()
                 next_try = time.monotonic() + RETRY_S
             for control, due in list(self._resync.items()):
                 if due <= time.monotonic():
@@ -86,6 +129,15 @@ class PeerFeed:
                         self.inventory.apply(item.publisher, item.batch)
                     elif isinstance(item, Notice) and item.kind == "restart":
                         self.inventory.forget(item.publisher)
+
+    def collect(self):
+        """Prometheus: the peers followed and the blocks each is known to serve (the runner's /metrics)."""
+        blocks = GaugeMetricFamily("kvcr_peer_feed_blocks", "Blocks a followed peer's runner holds, from its events",
+                                   labels=["peer"])
+        with self.lock:
+            for peer in sorted(self._followed):
+                blocks.add_metric([peer], self.inventory.num_blocks(peer))
+        yield blocks
 
     def close(self) -> None:
         self._stop.set()

@@ -8,6 +8,7 @@ what arrived whole is reported). A claim SGLang never collects is given back aft
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
@@ -39,6 +40,7 @@ from . import hooks
 from .config import parse_adapter_config
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, plain_key_events, restorable
+from .peer_directory import PeerDirectory, PeerDirectoryError, resolve as resolve_peer_dir
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 from .pulls import deliver_confirmed, request_hint_source, request_hints
@@ -79,6 +81,7 @@ class KVCRStorage(HiCacheStorage):
         self.storage_page_size = getattr(storage_config, "storage_page_size", None)
         self.service: Service | None = None
         self.peer_feed: PeerFeed | None = None
+        self.peer_dir: PeerDirectory | None = None
         self.layouts: dict[str, KeyLayout] = {}  # per host pool: what one key holds of it
         self.mem_pool_host = None
         self._pending = PendingClaims()
@@ -126,10 +129,29 @@ class KVCRStorage(HiCacheStorage):
                 self.service = Service(self._runner_config()).start()
                 if self.service.pulls.puller is not None:  # claims we take outlive an uncollected prefetch
                     self.service.pulls.puller.lease_s = self.cfg.claim_lease_s
-                if self.cfg.peers and self.cfg.opportunistic:
+                self.peer_dir = self._join_peer_dir(self.service.public_info())
+                if (self.cfg.peers or self.peer_dir is not None) and self.cfg.opportunistic:
+                    own = frozenset(p["namespace_digest"] for p in self.service.runner.info()["pools"])
                     self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint,
-                                              self.service.cfg.curve()).start()
+                                              self.service.cfg.curve(), directory=self.peer_dir,
+                                              namespaces=own).start()
+                    self.service.metrics.register(self.peer_feed)
             return self.service
+
+    def _join_peer_dir(self, info: dict) -> PeerDirectory | None:
+        """Leave our runner's public info where this host's other engines look for peers."""
+        path = resolve_peer_dir(self.cfg.peers_dir)
+        if path is None:
+            return None
+        try:
+            directory = PeerDirectory(path)
+            directory.join(info)
+        except (PeerDirectoryError, OSError) as exc:
+            log.warning("kvcr: peers on this host are not discovered: %s", exc)
+            return None
+        atexit.register(directory.leave)  # SGLang's exit seldom closes the backend; a kill leaves a file
+        log.info("kvcr: peers found through %s", path)   # that readers drop (its process is gone)
+        return directory
 
     def _runner_config(self):
         sc, kv = self.storage_config, next(iter(self.layouts.values())).page
@@ -447,6 +469,9 @@ class KVCRStorage(HiCacheStorage):
         return len(self._pending)
 
     def close(self) -> None:
+        if self.peer_dir is not None:
+            self.peer_dir.leave()
+            self.peer_dir = None
         if self.peer_feed is not None:
             self.peer_feed.close()
             self.peer_feed = None

@@ -68,6 +68,7 @@ def storage_config(mla: bool = False, layout: str = "page_first", **extra) -> Hi
                                 extra_config={**DYNAMIC, "prefetch_threshold": 256,
                                               # 2 loaded cores can hold a first contact past the 2 s default
                                               "runner": {"dram.size": "4Mi", "runner.control_timeout_s": 10.0},
+                                              "peers_dir": "",  # strangers unless a test gives a directory
                                               **extra})
 
 

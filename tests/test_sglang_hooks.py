@@ -1,6 +1,7 @@
 """The launcher and its three hooks, each against the real SGLang 0.5.23 classes."""
 
 import json
+import logging
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -187,16 +188,52 @@ def test_without_any_hint_a_backend_finds_the_peer_that_announced_the_pages(back
     pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
     a = backends(pool_a)
     b = backends(pool_b, peers=[a.service.control.bound_endpoint])
-    tokens = list(range(900, 900 + 6 * PAGE))
+    pulled_unhinted(a, pool_a, b, pool_b, first_token=900)
+
+
+def pulled_unhinted(a, pool_a, b, pool_b, first_token: int) -> None:
+    """A backs six pages up; B, asked with no hint, learns them from A's stream and pulls A's bytes."""
+    tokens = list(range(first_token, first_token + 6 * PAGE))
     keys = page_hashes(tokens, PAGE)
     src = pool_a.alloc(6 * PAGE)
-    fill(pool_a, src, seed=9)
+    fill(pool_a, src, seed=first_token)
     controller(a, pool_a)._page_backup(StorageOperation(src, tokens, hash_value=keys, prefix_keys=[]))
     wait_until(lambda: b.batch_exists(keys) == 6, 10, 0.05, "B learnt A's pages from A's event stream")
     dst = pool_b.alloc(6 * PAGE)
     assert b.batch_get_v1(keys, dst) == [True] * 6
     assert page_bytes(pool_b, dst) == page_bytes(pool_a, src)
     no_claims_left(a)
+
+
+def _followed(backend) -> dict[str, float]:
+    (blocks,) = backend.peer_feed.collect()
+    return {s.labels["peer"]: s.value for s in blocks.samples}
+
+
+def test_backends_sharing_a_peers_dir_find_each_other_with_no_list(backends, tmp_path, caplog):
+    """One host, no router, no `peers`: each runner leaves its info in the directory, the others follow it."""
+    caplog.set_level(logging.INFO, logger="sglang_adapter.peers")
+    pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
+    a = backends(pool_a, peers_dir=str(tmp_path))
+    b = backends(pool_b, peers_dir=str(tmp_path))
+    mla = backends(mha_pool("page_first", page=PAGE), mla=True, peers_dir=str(tmp_path))  # another layout
+    pulled_unhinted(a, pool_a, b, pool_b, first_token=1900)
+    assert list(_followed(b)) == [a.service.control.bound_endpoint]
+    wait_until(lambda: all(f"peer {x.service.control.bound_endpoint} serves another model" in caplog.text
+                           for x in (a, b)), 10, 0.05, "the MLA backend saw both entries")
+    assert _followed(mla) == {}
+    a.close()
+    wait_until(lambda: _followed(b) == {}, 10, 0.05, "B forgot A once A left the directory")
+
+
+def test_a_peers_dir_others_may_write_turns_discovery_off_and_says_why(backends, tmp_path, caplog):
+    shared = tmp_path / "peers"
+    shared.mkdir()
+    shared.chmod(0o777)
+    backend = backends(mha_pool("page_first", page=PAGE), peers_dir=str(shared))
+    assert backend.peer_dir is None and backend.peer_feed is None
+    assert "peers on this host are not discovered" in caplog.text and "writable by others" in caplog.text
+    assert list(shared.iterdir()) == []
 
 
 def test_with_the_launchers_prefetch_timeouts_a_remote_prefetch_loses_no_batch(backends):

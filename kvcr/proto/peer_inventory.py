@@ -35,6 +35,9 @@ class PeerInventory:
     def forget(self, peer: str) -> None:
         self._held.pop(peer, None)
 
+    def num_blocks(self, peer: str) -> int:
+        return len(self._held.get(peer, ()))
+
     def best_source(self, hashes: list[int]) -> tuple[str, int] | None:
         """The peer holding the longest leading run of `hashes` (u64), ties to the lower name."""
         best: tuple[str, int] | None = None

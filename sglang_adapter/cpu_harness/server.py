@@ -68,7 +68,7 @@ class LiveServer:
 
     def __init__(self, run_dir: Path, name: str, model: Path, *, runner: dict | None = None,
                  extra_config: dict | None = None, args: list[str] | None = None, env: dict | None = None,
-                 backend: str = "kvcr") -> None:
+                 backend: str = "kvcr", peers_dir: str | None = "") -> None:
         self.name, self.run_dir, self.model = name, run_dir, model
         self.port = free_port()
         self.log_path = run_dir / f"{name}.log"
@@ -81,7 +81,11 @@ class LiveServer:
                   "events.replay_endpoint": self.endpoints["replay"],
                   "runner.http_port": int(self.runner_http.rsplit(":", 1)[1]), **(runner or {})}
         # with a sidecar the ranks attach to its runner: no embedded one
-        self.extra = {**({} if (extra_config or {}).get("sidecar") else {"runner": runner}), **(extra_config or {})}
+        # Engines of one harness run are strangers unless a caller gives a peers_dir (None: the
+        # backend's default, the user's own directory), so each test and bench row measures what it names.
+        own = {} if peers_dir is None else {"peers_dir": peers_dir}
+        self.extra = {**({} if (extra_config or {}).get("sidecar") else {"runner": runner, **own}),
+                      **(extra_config or {})}
         self.args = list(args or [])
         self.env = dict(env or {})
         self.backend = backend  # "kvcr", or an SGLang backend to compare with ("file")
