@@ -39,7 +39,8 @@ class AdapterConfig:
     pull_timeout_s: float = _key(10.0, "a transfer's deadline before it is cancelled")
     peers: tuple[str, ...] = _key((), "peers' runner endpoints (tcp:// control or http:// info) whose event "
                                       "streams are followed")
-    # One host: engines find each other with no list (as SGLang's `file` backend shares its directory).
+    # On by default so that two engines one user starts reuse each other's pages with no list to
+    # keep, as SGLang's `file` backend does through its shared directory.
     peers_dir: str = _key("auto", "a directory (only ours) where runners leave their info and find their peers' "
                                   "(auto: $XDG_RUNTIME_DIR/kvcr/peers, else <tmp>/kvcr-<uid>/peers; \"\" off)")
     opportunistic: bool = _key(True, "with peers (listed or found): pull from the peer that announced the pages "

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvcr.drivers.shm import host_id
@@ -38,9 +40,19 @@ def resolve(peers_dir: str, env: dict | None = None, uid: int | None = None) -> 
     return base / "peers"
 
 
+def _private(d: Path) -> None:
+    st = os.lstat(d)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PeerDirectoryError(f"peers_dir: {d} is not a directory (a link or a file)")
+    if st.st_uid != os.getuid():
+        raise PeerDirectoryError(f"peers_dir: {d} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+    if st.st_mode & 0o022:
+        raise PeerDirectoryError(f"peers_dir: {d} is writable by others (mode {st.st_mode & 0o777:o}); chmod 700 it")
+
+
 def open_private(path: Path) -> Path:
-    """Create `path` (and a missing parent we own) mode 0700, or check an existing one is ours and
-    closed to others: anyone who can write there could name a source for our pulls."""
+    """Create `path` (and a missing parent) mode 0700, or check that both are ours, real
+    directories and closed to others: whoever can write or rename there could name our sources."""
     for d in (path.parent, path):
         try:
             d.mkdir(mode=0o700)
@@ -48,13 +60,48 @@ def open_private(path: Path) -> Path:
             pass
         except OSError as exc:
             raise PeerDirectoryError(f"peers_dir {path}: cannot create {d}: {exc}") from exc
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PeerDirectoryError(f"peers_dir {path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
-    if st.st_mode & 0o022:
-        raise PeerDirectoryError(f"peers_dir {path} is writable by others (mode {st.st_mode & 0o777:o}); "
-                                 "chmod 700 it")
+        _private(d)
     return path
+
+
+def _started(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot), None when it is gone or a zombie: with the
+    pid, it names one process (a pid is reused, a start time on one boot is not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Which process left an entry, and where: enough to tell it is gone when it ran here."""
+    hostname: str
+    boot: str
+    pid_namespace: int
+    pid: int
+    started: int | None
+
+    @classmethod
+    def here(cls) -> "Origin":
+        return cls(socket.gethostname(), host_id(), _pid_namespace(), os.getpid(), _started(os.getpid()))
+
+    def gone(self, here: "Origin") -> bool:
+        """A process of this host's earlier boot, or of our pid namespace that ended. One elsewhere
+        (a directory shared between hosts or containers) is trusted to remove its own entry."""
+        if self.hostname != here.hostname:
+            return False
+        if self.boot != here.boot:
+            return True
+        return self.pid_namespace == here.pid_namespace and _started(self.pid) != self.started
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,29 +112,17 @@ class PeerEntry:
     replay: str | None
     events_curve: bool
     namespace_digests: frozenset[str]
-    pid: int
-    host: str
+    origin: Origin
 
     @classmethod
-    def from_info(cls, info: dict, pid: int) -> "PeerEntry":
+    def decode(cls, raw: dict) -> "PeerEntry":
+        info, o = raw["info"], raw["origin"]
         ep = info["endpoints"]
         return cls(control=str(ep["control"]), events=str(ep["events"]), replay=ep.get("replay"),
                    events_curve=info.get("events_curve") is True,
                    namespace_digests=frozenset(str(p["namespace_digest"]) for p in info.get("pools", [])),
-                   pid=int(pid), host=str(info.get("host_id", "")))
-
-    def alive(self) -> bool:
-        """A process on this host that is gone left its file behind (killed); one elsewhere (a shared
-        directory) is trusted to remove its own."""
-        if self.host != host_id():
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+                   origin=Origin(str(o["hostname"]), str(o["boot"]), int(o["pid_namespace"]), int(o["pid"]),
+                                 None if o["started"] is None else int(o["started"])))
 
 
 class PeerDirectory:
@@ -95,39 +130,52 @@ class PeerDirectory:
 
     def __init__(self, path: Path) -> None:
         self.path = open_private(path)
+        self.here = Origin.here()
         self.own: Path | None = None
+        self._info: dict | None = None
+        self._skipped: set[str] = set()  # unreadable entries, warned about once
 
     def join(self, info: dict) -> Path:
-        name = f"{host_id()}-{os.getpid()}-{info['incarnation']}.json"
+        self._info = info
+        name = f"{self.here.boot}-{self.here.pid}-{info['incarnation']}.json"
         tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps({"pid": os.getpid(), "info": info}))
+        tmp.write_text(json.dumps({"origin": asdict(self.here), "info": info}))
         os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path / name)  # a reader sees the whole file or none
         self.own = self.path / name
-        os.replace(tmp, self.own)  # a reader sees the whole file or none
         return self.own
 
+    def rejoin(self) -> None:
+        """Put our entry back if it went (a runtime directory emptied at logout, an operator's rm)."""
+        if self._info is not None and self.own is not None and not self.own.exists():
+            log.info("peers_dir: our entry in %s was gone: written again", self.path)
+            open_private(self.path)
+            self.join(self._info)
+
     def leave(self) -> None:
-        if self.own is not None:
+        """Remove our entry; only the process that wrote it does (not a forked child)."""
+        if self.own is not None and os.getpid() == self.here.pid:
             self.own.unlink(missing_ok=True)
-            self.own = None
+        self.own = self._info = None
 
     def entries(self) -> dict[str, PeerEntry]:
-        """file name -> entry, for every live peer but us; a dead peer's file is removed, an
+        """file name -> entry, for every live peer but us; a gone peer's file is removed, an
         unreadable one skipped with a warning."""
         found: dict[str, PeerEntry] = {}
         for p in sorted(self.path.glob("*.json")):
             if p == self.own:
                 continue
             try:
-                raw = json.loads(p.read_text())
-                entry = PeerEntry.from_info(raw["info"], raw["pid"])
+                entry = PeerEntry.decode(json.loads(p.read_text()))
             except FileNotFoundError:
                 continue  # left while we listed
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("peers_dir: %s is not a runner's entry, skipped: %s", p.name, exc)
+                if p.name not in self._skipped:
+                    self._skipped.add(p.name)
+                    log.warning("peers_dir: %s is not a runner's entry, skipped: %s", p.name, exc)
                 continue
-            if not entry.alive():
-                log.info("peers_dir: %s's process %d is gone: entry removed", p.name, entry.pid)
+            if entry.origin.gone(self.here):
+                log.info("peers_dir: %s's process %d is gone: entry removed", p.name, entry.origin.pid)
                 p.unlink(missing_ok=True)
                 continue
             found[p.name] = entry

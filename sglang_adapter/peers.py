@@ -32,8 +32,11 @@ class PeerFeed:
         self._waiting = list(endpoints)   # info endpoints not reached yet
         self.directory = directory
         self.namespaces = namespaces      # a directory peer serving none of our pools is not followed
-        self._followed: set[str] = set()   # control endpoints whose streams we subscribe to
-        self._listed: dict[str, str] = {}  # directory file name -> the control endpoint followed for it
+        # control endpoint -> how many sources name it (a list entry, directory entries: a restarted
+        # peer's new entry may come before its old one goes); followed while above 0
+        self._sources: dict[str, int] = {}
+        self._listed: dict[str, str | None] = {}  # directory file -> the endpoint it made us follow
+        self._failures: dict[str, int] = {}  # peer -> snapshots failed in a row (retries back off)
         # peer -> when to (re)load its snapshot: just joined, or lost batches replay could not repair
         self._resync: dict[str, float] = {}
         self.subscriber = Subscriber(on_unrepaired=lambda peer: self._resync.setdefault(peer, 0.0))
@@ -62,38 +65,49 @@ class PeerFeed:
 
     def _scan(self) -> None:
         """Follow the directory's new entries; stop following those whose files went."""
+        self.directory.rejoin()
         entries = self.directory.entries()
         for name in set(self._listed) - set(entries):
-            self._unfollow(self._listed.pop(name))
+            control = self._listed.pop(name)
+            if control is not None:
+                self._unfollow(control)
         for name, entry in entries.items():
             if name in self._listed:
                 continue
-            self._listed[name] = entry.control
             if self.namespaces and not self.namespaces & entry.namespace_digests:
                 log.info("peer %s serves another model or layout: not followed", entry.control)
+                self._listed[name] = None
                 continue
-            self._follow(entry.control, entry.events, entry.replay, entry.events_curve)
+            followed = self._follow(entry.control, entry.events, entry.replay, entry.events_curve)
+            self._listed[name] = entry.control if followed else None
 
-    def _follow(self, control: str, events: str, replay: str | None, events_curve: bool) -> None:
-        if control == self.own or control in self._followed:
-            return
+    def _follow(self, control: str, events: str, replay: str | None, events_curve: bool) -> bool:
+        if control == self.own:
+            return False
+        if control in self._sources:
+            self._sources[control] += 1
+            return True
         if events_curve and self.curve is None:
             log.warning("peer %s publishes its events with CURVE and this runner holds no keys: not followed",
                         control)
-            return
+            return False
         log.info("following peer %s", control)
         self.subscriber.add(control, events, replay, self.curve if events_curve else None)
-        self._followed.add(control)
+        with self.lock:
+            self._sources[control] = 1
         self._resync[control] = 0.0
+        return True
 
     def _unfollow(self, control: str) -> None:
-        if control not in self._followed:
+        if self._sources.get(control, 0) > 1:
+            self._sources[control] -= 1
             return
         log.info("peer %s left", control)
-        self._followed.discard(control)
         self.subscriber.remove(control)
         self._resync.pop(control, None)
+        self._failures.pop(control, None)
         with self.lock:
+            self._sources.pop(control, None)
             self.inventory.forget(control)
 
     def _snapshot(self, control: str) -> None:
@@ -101,8 +115,11 @@ class PeerFeed:
             with ControlClient(control, timeout_s=5.0, curve=self.curve) as client:
                 seq, events = client.snapshot()
         except (TimeoutError, ControlError, OSError) as exc:
-            log.info("snapshot of peer %s failed (retried in %.0f s): %s", control, RETRY_S, exc)
-            self._resync[control] = time.monotonic() + RETRY_S
+            # A peer that does not answer holds this thread up to 5 s a try: back off to a minute.
+            n = self._failures[control] = self._failures.get(control, 0) + 1
+            wait = min(RETRY_S * 2 ** (n - 1), 60.0)
+            log.info("snapshot of peer %s failed (retried in %.0f s): %s", control, wait, exc)
+            self._resync[control] = time.monotonic() + wait
             return
         with self.lock:
             self.inventory.forget(control)
@@ -110,32 +127,41 @@ class PeerFeed:
         log.info("peer %s: snapshot loaded (%d events)", control, len(events))
         self.subscriber.start_after(control, seq)
         self._resync.pop(control, None)
+        self._failures.pop(control, None)
 
     def _run(self) -> None:
         next_try = 0.0
         while not self._stop.is_set():
-            if time.monotonic() >= next_try:
-                if self._waiting:
-                    self._discover()
-                if self.directory is not None:
-                    self._scan()
-                next_try = time.monotonic() + RETRY_S
-            for control, due in list(self._resync.items()):
-                if due <= time.monotonic():
-                    self._snapshot(control)
-            for item in self.subscriber.poll(100):
-                with self.lock:
-                    if isinstance(item, Delivery):
-                        self.inventory.apply(item.publisher, item.batch)
-                    elif isinstance(item, Notice) and item.kind == "restart":
-                        self.inventory.forget(item.publisher)
+            try:
+                next_try = self._step(next_try)
+            except Exception:  # one bad entry or answer must not end the feed for good
+                log.exception("kvcr peer feed: step failed (going on in %.0f s)", RETRY_S)
+                self._stop.wait(RETRY_S)
+
+    def _step(self, next_try: float) -> float:
+        if time.monotonic() >= next_try:
+            if self._waiting:
+                self._discover()
+            if self.directory is not None:
+                self._scan()
+            next_try = time.monotonic() + RETRY_S
+        for control, due in list(self._resync.items()):
+            if due <= time.monotonic():
+                self._snapshot(control)
+        for item in self.subscriber.poll(100):
+            with self.lock:
+                if isinstance(item, Delivery):
+                    self.inventory.apply(item.publisher, item.batch)
+                elif isinstance(item, Notice) and item.kind == "restart":
+                    self.inventory.forget(item.publisher)
+        return next_try
 
     def collect(self):
         """Prometheus: the peers followed and the blocks each is known to serve (the runner's /metrics)."""
         blocks = GaugeMetricFamily("kvcr_peer_feed_blocks", "Blocks a followed peer's runner holds, from its events",
                                    labels=["peer"])
         with self.lock:
-            for peer in sorted(self._followed):
+            for peer in sorted(self._sources):
                 blocks.add_metric([peer], self.inventory.num_blocks(peer))
         yield blocks
 

@@ -40,7 +40,8 @@ from . import hooks
 from .config import parse_adapter_config
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, plain_key_events, restorable
-from .peer_directory import PeerDirectory, PeerDirectoryError, resolve as resolve_peer_dir
+from . import peer_directory
+from .peer_directory import PeerDirectory, PeerDirectoryError
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 from .pulls import deliver_confirmed, request_hint_source, request_hints
@@ -140,7 +141,7 @@ class KVCRStorage(HiCacheStorage):
 
     def _join_peer_dir(self, info: dict) -> PeerDirectory | None:
         """Leave our runner's public info where this host's other engines look for peers."""
-        path = resolve_peer_dir(self.cfg.peers_dir)
+        path = peer_directory.resolve(self.cfg.peers_dir)
         if path is None:
             return None
         try:
@@ -149,8 +150,9 @@ class KVCRStorage(HiCacheStorage):
         except (PeerDirectoryError, OSError) as exc:
             log.warning("kvcr: peers on this host are not discovered: %s", exc)
             return None
-        atexit.register(directory.leave)  # SGLang's exit seldom closes the backend; a kill leaves a file
-        log.info("kvcr: peers found through %s", path)   # that readers drop (its process is gone)
+        # SGLang's exit seldom closes the backend; a killed engine's entry is dropped by its readers.
+        atexit.register(directory.leave)
+        log.info("kvcr: peers found through %s", path)
         return directory
 
     def _runner_config(self):
@@ -471,6 +473,7 @@ class KVCRStorage(HiCacheStorage):
     def close(self) -> None:
         if self.peer_dir is not None:
             self.peer_dir.leave()
+            atexit.unregister(self.peer_dir.leave)
             self.peer_dir = None
         if self.peer_feed is not None:
             self.peer_feed.close()

@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import asdict, replace
 
 import pytest
 
-from kvcr.drivers.shm import host_id
-from sglang_adapter.peer_directory import PeerDirectory, PeerDirectoryError, open_private, resolve
+from sglang_adapter.peer_directory import Origin, PeerDirectory, PeerDirectoryError, open_private, resolve
 
 
 def _info(control: str, incarnation: str = "i1", digest: str = "ns1") -> dict:
-    return {"incarnation": incarnation, "events_curve": False, "host_id": "",
+    return {"incarnation": incarnation, "events_curve": False,
             "endpoints": {"control": control, "events": control.replace("56", "57"), "replay": None},
             "pools": [{"name": "kv", "namespace_digest": digest}]}
+
+
+def _leave_entry(directory, name: str, origin: Origin, control: str = "tcp://127.0.0.1:5603") -> None:
+    (directory / name).write_text(json.dumps({"origin": asdict(origin), "info": _info(control)}))
 
 
 @pytest.mark.parametrize("setting, env, expected", [
@@ -35,23 +39,39 @@ def test_a_missing_directory_is_made_closed_to_other_users(tmp_path):
     assert path.parent.stat().st_mode & 0o777 == 0o700
 
 
-def test_a_directory_others_may_write_is_refused_with_the_fix(tmp_path):
-    shared = tmp_path / "peers"
-    shared.mkdir()
-    shared.chmod(0o777)
+@pytest.mark.parametrize("which", ["peers", "parent"])
+def test_a_directory_others_may_write_is_refused_with_the_fix(tmp_path, which):
+    (tmp_path / "kvcr" / "peers").mkdir(parents=True, mode=0o700)
+    (tmp_path / "kvcr").chmod(0o700)
+    (tmp_path / "kvcr" / "peers" if which == "peers" else tmp_path / "kvcr").chmod(0o777)
     with pytest.raises(PeerDirectoryError, match="writable by others .*chmod 700"):
-        PeerDirectory(shared)
+        PeerDirectory(tmp_path / "kvcr" / "peers")
+
+
+def test_a_link_or_a_file_in_the_directorys_place_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "kvcr").mkdir(mode=0o700)
+    (tmp_path / "kvcr" / "peers").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PeerDirectoryError, match="is not a directory"):
+        open_private(tmp_path / "kvcr" / "peers")
 
 
 def test_a_directory_another_user_owns_is_refused(tmp_path, monkeypatch):
     (tmp_path / "peers").mkdir(mode=0o700)
+    tmp_path.chmod(0o700)
     monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
     with pytest.raises(PeerDirectoryError, match="belongs to uid"):
         open_private(tmp_path / "peers")
 
 
-def test_each_runner_sees_the_others_entries_and_not_its_own(tmp_path):
-    a, b = PeerDirectory(tmp_path), PeerDirectory(tmp_path)
+@pytest.fixture
+def peers(tmp_path):
+    tmp_path.chmod(0o700)
+    return tmp_path / "peers"
+
+
+def test_each_runner_sees_the_others_entries_and_not_its_own(peers):
+    a, b = PeerDirectory(peers), PeerDirectory(peers)
     a.join(_info("tcp://127.0.0.1:5601", "a"))
     b.join(_info("tcp://127.0.0.1:5602", "b"))
     assert [e.control for e in a.entries().values()] == ["tcp://127.0.0.1:5602"]
@@ -62,18 +82,46 @@ def test_each_runner_sees_the_others_entries_and_not_its_own(tmp_path):
     assert b.entries() == {}
 
 
-def test_an_entry_whose_process_is_gone_is_removed(tmp_path):
+def _ended_process() -> Origin:
     gone = subprocess.Popen(["true"])
     gone.wait()
-    info = {**_info("tcp://127.0.0.1:5603"), "host_id": host_id()}
-    (tmp_path / "dead.json").write_text(json.dumps({"pid": gone.pid, "info": info}))
-    me = PeerDirectory(tmp_path)
-    assert me.entries() == {}
-    assert not (tmp_path / "dead.json").exists()
+    return replace(Origin.here(), pid=gone.pid, started=1)
 
 
-def test_an_entry_that_is_not_a_runners_is_skipped_and_kept(tmp_path, caplog):
-    (tmp_path / "junk.json").write_text('{"pid": "x"}')
-    assert PeerDirectory(tmp_path).entries() == {}
-    assert "junk.json is not a runner's entry" in caplog.text
-    assert (tmp_path / "junk.json").exists()
+@pytest.mark.parametrize("origin, kept", [
+    (_ended_process, False),                                       # its process ended
+    (lambda: replace(Origin.here(), started=1), False),            # our pid, another start time: reused
+    (lambda: replace(Origin.here(), boot="an-earlier-boot"), False),  # this host before a reboot
+    (lambda: replace(Origin.here(), hostname="another-host", pid=1, started=1), True),  # a shared directory
+    (lambda: replace(Origin.here(), pid_namespace=1, pid=1, started=1), True),  # another container
+])
+def test_an_entry_whose_process_is_gone_is_removed(peers, origin, kept):
+    me = PeerDirectory(peers)
+    _leave_entry(peers, "other.json", origin())
+    assert (me.entries() != {}) == kept
+    assert (peers / "other.json").exists() == kept
+
+
+def test_an_entry_that_is_not_a_runners_is_skipped_and_kept(peers, caplog):
+    me = PeerDirectory(peers)
+    (peers / "junk.json").write_text('{"pid": "x"}')
+    assert me.entries() == {} and me.entries() == {}
+    assert caplog.text.count("junk.json is not a runner's entry") == 1  # warned once, not every scan
+    assert (peers / "junk.json").exists()
+
+
+def test_an_entry_removed_under_a_running_engine_is_written_again(peers):
+    me, other = PeerDirectory(peers), PeerDirectory(peers)
+    me.join(_info("tcp://127.0.0.1:5604"))
+    me.own.unlink()
+    me.rejoin()
+    assert [e.control for e in other.entries().values()] == ["tcp://127.0.0.1:5604"]
+
+
+def test_only_the_process_that_wrote_an_entry_removes_it(peers):
+    me, other = PeerDirectory(peers), PeerDirectory(peers)
+    me.join(_info("tcp://127.0.0.1:5605"))
+    own = me.own
+    me.here = replace(me.here, pid=me.here.pid + 1)  # as a forked child inherits it
+    me.leave()
+    assert own.exists() and len(other.entries()) == 1
