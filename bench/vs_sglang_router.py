@@ -14,8 +14,9 @@ Two live SGLang 0.5.23 engines (the development-only CPU harness) take SGLang's 
 - `round_robin` and `cache_aware` on SGLang's stock `file` backend, both engines in one directory
   (what an operator has without kvcr).
 
-Runs on one set of engines alternate A B … B A; every engine is flushed (and the `file`
-directory emptied) before each run. The anchor is the better (lower mean TTFT) of the two
+Runs on one set of engines alternate A B … B A; before each run every engine's device and host
+pools are flushed and its L3 storage cleared (kvcr's runner; the `file` directory emptied).
+The anchor is the better (lower mean TTFT) of the two
 `cache_aware` rows; "vs anchor" is the median over prompts of a row's TTFT over the anchor's for
 the same prompt (same seed, same request order), in the same repeat.
 """
@@ -203,9 +204,13 @@ class EngineSet:
         return got
 
     def cold(self) -> None:
-        """Every run starts from empty caches (and an empty shared directory)."""
+        """Every run starts from empty caches: device and host pools (/flush_cache) and the L3
+        storage, which a flush keeps (SGLang's own clear route: kvcr's runner, the shared directory)."""
         for e in self.engines:
             e.flush(60)
+            answer = e.post("/hicache/storage-backend/clear", {})
+            if "cleared" not in str(answer):
+                raise RuntimeError(f"{e.name}: its storage was not cleared: {answer!r}")
         if self.kind == "file":
             for page in self.file_dir.iterdir():
                 page.unlink()
@@ -346,8 +351,8 @@ def main() -> int:
             chart[name] = {s.name: [r.mean_ttft for r in got[s.name]] for s in systems}
     intro = (f"Two live SGLang 0.5.23 engines on the CPU harness (tiny Llama, 16-token pages, 4096-token device "
              f"pools), SGLang's own client (`sglang.benchmark.serving`, generated-shared-prefix, 8 output "
-             f"tokens), {repeats} repeat(s) alternated A B … B A on each set of engines, caches emptied before "
-             f"every run. Figures: median (min–max) over repeats. `vs anchor` pairs each prompt with the anchor's "
+             f"tokens), {repeats} repeat(s) alternated A B … B A on each set of engines, device, host and L3 "
+             f"caches emptied before every run. Figures: median (min–max) over repeats. `vs anchor` pairs each prompt with the anchor's "
              f"run of the same repeat. {machine_line()}. Command: `.venv/bin/python bench/vs_sglang_router.py`.")
     publish("vs-sglang-router", "kvcr beside sglang-router, on SGLang's benchmark client", intro, tables,
             write=not (args.quick or args.no_write or args.only), chart=chart, unit="mean TTFT (ms)")
