@@ -20,7 +20,8 @@ from .active import ActiveBlocks
 from .discovery import DiscoveryError, Publisher
 from .index import NO_OVERLAP, InventoryIndex, Overlap, Worker
 from .liveness import Liveness
-from .scoring import IDLE, Choice, CostModel, Load, choose, choose_source
+from .rates import Rates, Sample
+from .scoring import IDLE, Choice, CostModel, Load, choose, choose_source, hinted_hashes, pullable_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,16 @@ class Route:
     overlaps: dict  # per worker holding the first block: its overlap by tier
     seq_hashes: tuple[int, ...] = ()  # the request's blocks (what the target will hold)
     loads: dict = field(default_factory=dict)  # per candidate: the load it was scored with
+    hint_blocks: int = 0  # leading blocks the hint names
+    pullable: dict = field(default_factory=dict)  # per candidate: blocks a peer's runner would hand it
+
+    def sample(self, seconds: float) -> Sample:
+        """What this request measured of its worker's rates, its first byte `seconds` after it was sent."""
+        o = self.choice.overlap
+        pulled = max(0, self.hint_blocks - o.depth)
+        new = max(0, self.request_blocks - o.depth - pulled)
+        ahead = self.loads.get(self.choice.worker, IDLE).active_prefill_blocks
+        return Sample(new + ahead, o.device, o.host, o.dram, o.disk, pulled, seconds)
 
 
 def on_device(o: Overlap, ahead: int) -> Overlap:
@@ -52,6 +63,7 @@ class RouterCore:
     clock: Callable[[], float] = time.monotonic
     curve: CurveKeys | None = None  # the deployment keypair, for runners whose events speak CURVE
     active_linger_s: float = 5.0  # a routed prefix counts as on its target's device this long after it ends
+    measure_costs: bool = True  # score each worker with tier weights measured from its requests (rates.py)
 
     def __post_init__(self) -> None:
         self.liveness = Liveness(self.dead_after_s)
@@ -60,6 +72,7 @@ class RouterCore:
         self.publishers: dict[Worker, Publisher] = {}
         self.loads: dict[Worker, Load] = {}
         self.active = ActiveBlocks(self.active_linger_s)  # what requests in flight put on each device
+        self.rates = Rates(self.model)
         self.num_batches = 0
         self.num_gaps = self.num_replayed = self.num_snapshots = 0  # how the index was kept whole
         self.needs_snapshot: set[Worker] = set()  # lost a gap replay could not repair
@@ -99,6 +112,7 @@ class RouterCore:
             del self.publishers[worker]
             self.loads.pop(worker, None)
             self.active.forget(worker)
+            self.rates.forget(worker)
             self.subscriber.remove(f"{worker[0]}:{worker[1]}")
             self.liveness.forget(worker)
             self.needs_snapshot.discard(worker)
@@ -172,13 +186,24 @@ class RouterCore:
             if ahead > overlaps.get(w, NO_OVERLAP).device:
                 overlaps[w] = on_device(overlaps.get(w, NO_OVERLAP), ahead)
             loads[w] = replace(self.loads.get(w, IDLE), potential_decode_blocks=self.active.decode_blocks(w, seq))
-        choice = choose(self.model, candidates, overlaps, loads, max(1, len(seq)), self.block_size, self.rng)
-        if pinned is not None:
-            choice = Choice(pinned, choice.costs[pinned], overlaps.get(pinned, Overlap()), choice.costs)
         endpoints = {w: p.control for w, p in self.publishers.items() if p.control and w in candidates}
         roles = {w: p.role for w, p in self.publishers.items()}
+        models = {w: self.model_of(w) for w in candidates}
+        pullable = pullable_blocks(candidates, overlaps, endpoints, roles)
+        choice = choose(self.model, candidates, overlaps, loads, max(1, len(seq)), self.block_size, self.rng,
+                        models=models, pullable=pullable)
+        if pinned is not None:
+            choice = Choice(pinned, choice.costs[pinned], overlaps.get(pinned, Overlap()), choice.costs)
         hint = choose_source(self.index, choice.worker, seq, overlaps, endpoints, roles)
-        return Route(choice, hint, len(seq), overlaps, tuple(seq), loads)
+        return Route(choice, hint, len(seq), overlaps, tuple(seq), loads, len(hinted_hashes(hint)), pullable)
+
+    def model_of(self, worker: Worker) -> CostModel:
+        """The weights `worker` is scored with: its measured ones, or as configured."""
+        return self.rates.model(worker) if self.measure_costs else self.model
+
+    def measured(self, route: Route, seconds: float) -> None:
+        """A request routed by `route` answered its first byte after `seconds`."""
+        self.rates.add(route.choice.worker, route.sample(seconds))
 
     def close(self) -> None:
         self.subscriber.close()

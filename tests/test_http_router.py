@@ -44,10 +44,11 @@ def claims_held(w) -> float:
 
 
 def dynamo_cost(model: dict, row: dict, request_blocks: int) -> float:
-    """Dynamo's default cost, recomputed here from the formula (not from router_hints.scoring)."""
-    o, load = row["overlap"], row["load"]
-    credit = (model["overlap_score_credit"] * o["device"] + model["host_cache_hit_weight"] * o["host"]
-              + model["runner_dram_hit_weight"] * o["dram"] + model["disk_cache_hit_weight"] * o["disk"])
+    """Dynamo's cost with the worker's tier weights (configured or measured) and credit for what a
+    peer would hand it, recomputed here from the formula (not from router_hints.scoring)."""
+    o, load, w = row["overlap"], row["load"], row["weights"]
+    credit = (w["device"] * o["device"] + w["host"] * o["host"] + w["dram"] * o["dram"] + w["disk"] * o["disk"]
+              + w["pulled"] * row["pullable"])
     return (model["prefill_load_scale"] * max(0.0, load["active_prefill_blocks"] + request_blocks - credit)
             + load["potential_decode_blocks"] + model["decode_active_request_weight"] * load["active_requests"])
 
@@ -75,6 +76,7 @@ def test_the_target_is_the_cost_minimum_recomputed_from_debug_index(cluster):
     view = wait_until(lambda: (v := json.loads(http(front.url + "/debug/index", {"text": text})[2]))
                       ["workers"][1]["overlap"]["dram"] > 0 and v, 10, 0.05, "router indexed w1's pages")
     costs = {row["worker"]: dynamo_cost(view["cost_model"], row, view["request_blocks"]) for row in view["workers"]}
+    assert view["workers"][0]["pullable"] == view["workers"][1]["runner"]  # w0 would pull what w1 holds
     assert costs == {row["worker"]: row["cost"] for row in view["workers"]}
     best = min(costs, key=lambda w: (costs[w], w))
     assert best == "w1" and costs["w1"] < costs["w0"]
@@ -202,6 +204,33 @@ def test_each_tier_weight_defaults_reads_an_int_as_a_float_and_refuses_a_string_
     assert getattr(parse_router_config({"cost": {key: 1}, "workers": workers}).cost, key) == 1.0
     with pytest.raises(RouterConfigError, match=f"cost.{key} must be float"):
         parse_router_config({"cost": {key: "0.5"}, "workers": workers})
+
+
+def test_costs_are_measured_by_default_and_can_be_left_to_the_configured_weights():
+    workers = [{"name": "a", "url": "http://h:1"}]
+    assert parse_router_config({"workers": workers}).measure_costs is True
+    assert parse_router_config({"cost": {"measured": False}, "workers": workers}).measure_costs is False
+    with pytest.raises(RouterConfigError, match="cost.measured must be bool"):
+        parse_router_config({"cost": {"measured": "yes"}, "workers": workers})
+
+
+def cost_samples(url: str) -> float:
+    text = http(url + "/metrics")[2].decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvcr_router_cost_samples_total{"))
+
+
+def test_each_streamed_answers_first_byte_is_a_cost_sample_and_the_weights_are_exported(cluster):
+    front, _ = cluster
+    before = cost_samples(front.url)
+    for i in range(3):
+        status, _, body = http(front.url + "/generate", {"text": f"{i} {PROMPT}", "stream": True,
+                                                         "sampling_params": {"max_new_tokens": 4}})
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    generate(front.url, PROMPT)  # not streamed: its first byte is its whole answer, no sample
+    assert cost_samples(front.url) == before + 3
+    metrics = http(front.url + "/metrics")[2].decode()
+    assert 'kvcr_router_tier_weight{tier="host",worker=' in metrics
 
 
 def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, tmp_path):

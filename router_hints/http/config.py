@@ -47,6 +47,7 @@ class RouterConfig:
     breaker_failures: int  # failures in a row that take a worker out of routing (a refused connection: one)
     health_interval_s: float  # how often a worker out of routing (or whose events stopped) is health-checked
     cost: CostModel
+    measure_costs: bool  # cost.measured: tier weights from each worker's measured rates (else `cost` alone)
     workers: tuple[WorkerEntry, ...]
 
 
@@ -76,7 +77,8 @@ ROUTER_KEYS = {"host": (str, "127.0.0.1"), "port": (int, 8000), "block_size": (i
                "health_interval_s": (float, 1.0)}
 WORKER_KEYS = {"name": (str, None), "url": (str, None), "runner": (str, ""), "role": (str, "aggregated"),
                "engine": (str, "kvcr-worker"), "runner_token": (str, "")}
-COST_KEYS = {f.name: (float, f.default) for f in fields(CostModel)}
+# CostModel's weights, and whether measured rates replace them per worker (router_hints/rates.py)
+COST_KEYS = {**{f.name: (float, f.default) for f in fields(CostModel)}, "measured": (bool, True)}
 
 
 def parse_worker(raw: Any, key: str = "worker") -> WorkerEntry:
@@ -101,7 +103,9 @@ def parse_router_config(raw: dict) -> RouterConfig:
     if unknown:
         raise RouterConfigError(f"{unknown[0]} is not a known section (router, cost, workers)")
     r = _section(raw.get("router", {}), "router", ROUTER_KEYS)
-    cost = CostModel(**_section(raw.get("cost", {}), "cost", COST_KEYS))
+    cost_keys = _section(raw.get("cost", {}), "cost", COST_KEYS)
+    measure_costs = cost_keys.pop("measured")
+    cost = CostModel(**cost_keys)
     workers = raw.get("workers", [])
     if not isinstance(workers, list) or not (workers or r["discovery_dir"] or r["dynamo_discovery"]):
         raise RouterConfigError("workers must list at least one worker (or set router.discovery_dir or "
@@ -128,7 +132,7 @@ def parse_router_config(raw: dict) -> RouterConfig:
         raise RouterConfigError(f"router.health_interval_s = {r['health_interval_s']} must be in (0, 60]")
     if r["operator_token"] and len(r["operator_token"]) < 16:
         raise RouterConfigError("router.operator_token must be at least 16 characters")
-    return RouterConfig(**r, cost=cost, workers=entries)
+    return RouterConfig(**r, cost=cost, measure_costs=measure_costs, workers=entries)
 
 
 def load_router_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RouterConfig:

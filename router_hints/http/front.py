@@ -69,10 +69,3 @@ def finished(loads: dict[Worker, Load], b: Booking) -> None:
     cur = loads[b.worker]
     loads[b.worker] = replace(cur, potential_decode_blocks=cur.potential_decode_blocks - b.decode_blocks,
                               active_requests=cur.active_requests - 1)
-
-
-def hint_hashes(envelope: dict | None) -> list[int]:
-    """The block hashes an envelope this router built names (its first kv.fetch action)."""
-    if envelope is None:
-        return []
-    return list(envelope["actions"][0]["payload"]["block_hashes"])

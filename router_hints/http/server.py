@@ -18,6 +18,7 @@ from typing import Any, Callable
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvcr.client import fetch_info
 from kvcr.config import CurveKeys
@@ -29,6 +30,7 @@ from ..breaker import Breakers
 from ..core import Route, RouterCore
 from ..discovery import DiscoveryError, from_runner_info
 from ..index import NO_OVERLAP, Worker
+from ..rates import tier_weights
 from ..scoring import Load
 from kvcr.text import RequestError, TextTokenizer, request_cache_salt, request_tokens
 from . import front
@@ -104,6 +106,36 @@ class RouterMetrics:
               registry=r).set_function(lambda: len(app.core.liveness.dead))
         Gauge("kvcr_router_workers", "Workers known (live or down)", registry=r).set_function(
             lambda: len(app.core.publishers))
+        r.register(MeasuredCosts(app))
+
+
+class MeasuredCosts:
+    """Prometheus: each worker's measured seconds per block and the tier weights it is scored with."""
+
+    def __init__(self, app: "Router") -> None:
+        self.app = app
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        per = GaugeMetricFamily("kvcr_router_seconds_per_block", "Measured seconds to first byte a block adds, "
+                                "by worker and kind (computed, or held at a tier)", labels=["worker", "kind"])
+        weight = GaugeMetricFamily("kvcr_router_tier_weight", "Share of a recompute a block held at a tier "
+                                   "saves, as the worker is scored (measured, else configured)",
+                                   labels=["worker", "tier"])
+        samples = CounterMetricFamily("kvcr_router_cost_samples", "Streamed requests whose first byte was timed "
+                                      "for the measured costs", labels=["worker"])
+        for worker, rates in sorted(self.app.core.rates.workers.items()):
+            name = self.app.worker_name(worker)
+            samples.add_metric([name], rates.samples)
+            for kind, seconds in rates.seconds_per_block.items():
+                per.add_metric([name, kind], seconds)
+            for tier, w in tier_weights(self.app.core.model_of(worker)).items():
+                weight.add_metric([name, tier], w)
+        yield per
+        yield weight
+        yield samples
 
 
 class Router:
@@ -111,7 +143,7 @@ class Router:
         self.cfg = cfg
         self.tokenizer = TextTokenizer(cfg.tokenizer or None)
         self.core = RouterCore(block_size=cfg.block_size, model=cfg.cost, dead_after_s=cfg.dead_after_s,
-                               curve=CurveKeys.from_env())
+                               curve=CurveKeys.from_env(), measure_costs=cfg.measure_costs)
         self.entries: dict[Worker, WorkerEntry] = {}
         self.breakers = Breakers(cfg.breaker_failures)
         self.metrics = RouterMetrics(self)
@@ -224,9 +256,11 @@ class Router:
             rows.append({"worker": w[0], "dp_rank": w[1],
                          "overlap": {"device": o.device, "host": o.host, "dram": o.dram, "disk": o.disk},
                          "runner": o.runner,
-                         "load": asdict(decision.loads.get(w, Load())), "cost": decision.choice.costs[w]})
+                         "load": asdict(decision.loads.get(w, Load())), "cost": decision.choice.costs[w],
+                         "pullable": decision.pullable.get(w, 0),
+                         "weights": tier_weights(self.core.model_of(w))})
         return {"tokens": len(tokens), "block_size": self.cfg.block_size, "request_blocks": decision.request_blocks,
-                "cost_model": asdict(self.cfg.cost), "workers": rows,
+                "cost_model": asdict(self.cfg.cost), "measured_costs": self.cfg.measure_costs, "workers": rows,
                 "choice": {"worker": decision.choice.worker[0], "dp_rank": decision.choice.worker[1],
                            "cost": decision.choice.cost},
                 "hint": decision.hint, "index_blocks": self.core.index.num_blocks()}
@@ -309,7 +343,7 @@ class Router:
                 self.breakers.succeeded(target)
                 return outcome
             tried.add(target)
-            failed_on = self._name(target)
+            failed_on = self.worker_name(target)
             failures.append(f"worker {failed_on}: {outcome.reason}")
             self._count_failure(target, failed_on, outcome)
             last = outcome
@@ -319,7 +353,7 @@ class Router:
             return web.Response(status=status, body=raw, headers={"Content-Type": content_type})
         return web.json_response({"error": {"message": "; ".join(failures)}}, status=502)
 
-    def _name(self, worker: Worker) -> str:
+    def worker_name(self, worker: Worker) -> str:
         entry = self.entries.get(worker)  # it may have left while its request ran
         return entry.name if entry is not None else worker[0]
 
@@ -334,7 +368,7 @@ class Router:
         target = decision.choice.worker
         entry = self.entries[target]
         self._count(route, decision)
-        source_depth = len(front.hint_hashes(decision.hint))
+        source_depth = decision.hint_blocks
         booking = front.Booking(target, len(tokens),
                                 max(0, decision.request_blocks - max(decision.choice.overlap.depth, source_depth)),
                                 decision.request_blocks)
@@ -345,7 +379,7 @@ class Router:
         try:
             if decision.hint is not None:
                 body = await self._issue_hint(route, target, body, decision.hint)
-            outcome = await self._relay(request, entry, route, body, booking)
+            outcome = await self._relay(request, entry, route, body, booking, decision)
             served = not isinstance(outcome, Failed)
             return outcome
         finally:
@@ -363,13 +397,14 @@ class Router:
         return body
 
     async def _relay(self, request: web.Request, entry: WorkerEntry, route: str, body: dict,
-                     booking: front.Booking) -> web.StreamResponse | Failed:
+                     booking: front.Booking, decision: Route) -> web.StreamResponse | Failed:
         """Forward the body; stream the answer back as it comes (a long generation has no total
         deadline, only one per read). Nothing reaches the client before the worker's first byte,
         so a failure until then is a `Failed` the caller may retry elsewhere."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.cfg.request_timeout_s)
         headers = _auth(request)
         resp: web.StreamResponse | None = None
+        sent = time.monotonic()
         try:
             async with self.session.post(entry.url.rstrip("/") + PATHS[route], json=body, timeout=timeout,
                                          headers=headers) as up:
@@ -378,6 +413,9 @@ class Router:
                     return Failed(f"answered {up.status}: {raw[:200]!r}", refused=False,
                                   answer=(up.status, up.headers.get("Content-Type", "text/plain"), raw))
                 chunk = await up.content.readany()
+                if body.get("stream") is True and up.status == 200 and chunk:
+                    # A stream's first bytes are its first token: what this worker's blocks cost.
+                    self.core.measured(decision, time.monotonic() - sent)
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
                 try:

@@ -20,7 +20,7 @@ from kvcr.client import ControlClient
 from kvcr.demo.httpc import get_json, http
 from kvcr.proto.events import RUNNER_MEDIA, BlockStored
 from kvcr.proto.keys import U64_MASK
-from router_hints.http.front import hint_hashes
+from router_hints.scoring import hinted_hashes
 from kvcr.text import TextTokenizer, parse_messages
 from sglang_adapter.cpu_harness.model import prompt_text
 from tests.conftest import wait_until
@@ -150,7 +150,7 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
         assert depth(view, a.name) == shared and depth(view, b.name) == 0
         hint = view["hint"]
         assert hint["actions"][0]["payload"]["source_control_endpoint"] == a.endpoints["control"]
-        assert len(hint_hashes(hint)) == shared and set(hint_hashes(hint)) <= runner_hashes(a)
+        assert len(hinted_hashes(hint)) == shared and set(hinted_hashes(hint)) <= runner_hashes(a)
 
         # The follow-up, not pinned: the router sends it to B with the hint (attached and posted).
         worker, pulled = post(front.url, "/generate", generate_body(turn2))

@@ -1,0 +1,141 @@
+"""What a block costs a worker, measured from the requests the router sends it. Pure: samples are passed in.
+
+Each streamed request gives one sample: the seconds to its first byte and, as the router scored
+it, how many blocks the worker had to compute (its own new blocks and the prefill booked ahead
+of it) and how many it had at each tier (on device, in the engine's host pool, in its runner's
+DRAM or disk, pulled from the hinted peer). A decayed least-squares fit gives seconds per block
+of each kind; a tier's weight in the cost model is the share of a recompute that holding a block
+there saves, `1 - seconds_per_tier_block / seconds_per_computed_block`, kept in [0, 1]. Until a
+kind has enough samples its configured weight stands, so a deployment's own figures rule until
+the run has measured its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .index import Worker
+from .scoring import CostModel
+
+KINDS = ("computed", "device", "host", "dram", "disk", "pulled")  # the fit's terms, after its intercept
+CLIP = 3.0  # residuals beyond this many mean absolute residuals are cut to it
+WEIGHT_OF = {"device": "overlap_score_credit", "host": "host_cache_hit_weight", "dram": "runner_dram_hit_weight",
+             "disk": "disk_cache_hit_weight", "pulled": "peer_pull_weight"}
+
+
+def tier_weights(model: CostModel) -> dict[str, float]:
+    return {"device": model.overlap_score_credit, "host": model.host_cache_hit_weight,
+            "dram": model.runner_dram_hit_weight, "disk": model.disk_cache_hit_weight,
+            "pulled": model.peer_pull_weight}
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    computed: int   # blocks computed: the request's new blocks and those booked ahead of it
+    device: int
+    host: int
+    dram: int
+    disk: int
+    pulled: int     # blocks the hint named beyond what the worker held
+    seconds: float  # to the first byte
+
+    def __post_init__(self) -> None:
+        if min(self.computed, self.device, self.host, self.dram, self.disk, self.pulled) < 0 or self.seconds < 0:
+            raise ValueError(f"a sample counts no negative blocks or time: {self}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RateSettings:
+    window: int = 256       # samples: older ones weigh e^-1 after this many more
+    min_samples: int = 64   # samples of a worker before any weight is measured
+    min_tier_samples: int = 8  # samples with blocks at a tier before that tier's weight is measured
+    refit_every: int = 8    # samples between refits (a fit is a small solve, not free on every request)
+
+
+@dataclass
+class WorkerRates:
+    """One worker's decayed normal equations over [1, *KINDS] and its latest fit."""
+
+    settings: RateSettings
+    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * (len(KINDS) + 1) for _ in range(len(KINDS) + 1)])
+    xty: list[float] = field(default_factory=lambda: [0.0] * (len(KINDS) + 1))
+    seen: list[float] = field(default_factory=lambda: [0.0] * (len(KINDS) + 1))  # decayed samples with the term > 0
+    samples: int = 0
+    theta: list[float] = field(default_factory=list)  # the latest fit, intercept first; empty until min_samples
+    spread: float = 0.0  # decayed mean absolute residual against the fit
+
+    @property
+    def seconds_per_block(self) -> dict[str, float]:
+        return dict(zip(KINDS, self.theta[1:]))
+
+    def add(self, s: Sample) -> None:
+        keep = 1.0 - 1.0 / self.settings.window
+        x = [1.0, s.computed, s.device, s.host, s.dram, s.disk, s.pulled]
+        y = s.seconds
+        if self.theta:
+            # A request stalled by something else on the machine says little of its blocks: its
+            # residual counts at most CLIP times the usual one.
+            expected = sum(t * xi for t, xi in zip(self.theta, x))
+            bound = CLIP * max(self.spread, 0.05 * abs(expected))  # a noiseless worker can still change
+            residual = max(-bound, min(bound, y - expected))
+            self.spread = keep * self.spread + (1 - keep) * abs(residual)
+            y = expected + residual
+        for i, xi in enumerate(x):
+            self.xty[i] = keep * self.xty[i] + xi * y
+            self.seen[i] = keep * self.seen[i] + (xi > 0)
+            row = self.xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = keep * row[j] + xi * xj
+        self.samples += 1
+        if self.samples >= self.settings.min_samples and self.samples % self.settings.refit_every == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        self.theta = solve(self.xtx, self.xty)
+
+    def weights(self) -> dict[str, float]:
+        """The measured weight of each tier with enough samples (none while computing a block is not
+        measured to cost time)."""
+        per = self.seconds_per_block
+        compute = per.get("computed", 0.0)
+        if compute <= 0 or self.seen[1] < self.settings.min_tier_samples:
+            return {}
+        return {kind: min(1.0, max(0.0, 1.0 - per[kind] / compute)) for i, kind in enumerate(KINDS[1:], start=2)
+                if self.seen[i] >= self.settings.min_tier_samples}
+
+
+def solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """The least-squares solution of the normal equations `a x = b` (symmetric, positive
+    semidefinite); a little ridge keeps a term that never varied (all zero) at zero."""
+    n = len(b)
+    ridge = 1e-9 * max(1.0, max(a[i][i] for i in range(n)))
+    m = [[a[i][j] + (ridge if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [v - f * w for v, w in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+@dataclass
+class Rates:
+    """Every worker's rates, and the cost model each is scored with (the configured one where a
+    tier is not yet measured)."""
+
+    base: CostModel
+    settings: RateSettings = field(default_factory=RateSettings)
+    workers: dict[Worker, WorkerRates] = field(default_factory=dict)
+
+    def add(self, worker: Worker, sample: Sample) -> None:
+        self.workers.setdefault(worker, WorkerRates(self.settings)).add(sample)
+
+    def forget(self, worker: Worker) -> None:
+        self.workers.pop(worker, None)
+
+    def model(self, worker: Worker) -> CostModel:
+        rates = self.workers.get(worker)
+        measured = rates.weights() if rates is not None else {}
+        return replace(self.base, **{WEIGHT_OF[k]: w for k, w in measured.items()}) if measured else self.base

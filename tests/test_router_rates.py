@@ -1,0 +1,129 @@
+"""The router's measured costs: seconds per block fitted from first-byte times, and the tier
+weights a worker is scored with once measured."""
+
+import random
+
+import pytest
+
+from router_hints.core import Route
+from router_hints.index import Overlap
+from router_hints.rates import KINDS, Rates, RateSettings, Sample, WorkerRates, solve, tier_weights
+from router_hints.scoring import Choice, CostModel, Load, choose, pullable_blocks
+
+W = ("w", 0)
+TRUE = {"computed": 2e-3, "device": 2e-4, "host": 1e-3, "dram": 1.2e-3, "disk": 1.8e-3, "pulled": 1.5e-3}
+
+
+def synthetic(rng: random.Random, rates: dict[str, float], base_s: float = 0.01, noise: float = 0.0) -> Sample:
+    blocks = {k: rng.choice([0, 0, rng.randint(1, 60)]) for k in KINDS}
+    blocks["computed"] = rng.randint(1, 80)
+    seconds = base_s + sum(rates[k] * n for k, n in blocks.items()) + rng.uniform(-noise, noise)
+    return Sample(seconds=max(0.0, seconds), **blocks)
+
+
+@pytest.fixture
+def rng():
+    return random.Random(7)
+
+
+def test_the_fit_recovers_each_kinds_seconds_per_block(rng):
+    rates = WorkerRates(RateSettings())
+    for _ in range(200):
+        rates.add(synthetic(rng, TRUE, noise=1e-3))
+    for kind, want in TRUE.items():
+        assert rates.seconds_per_block[kind] == pytest.approx(want, abs=1e-4), kind
+
+
+def test_a_tiers_weight_is_the_share_of_a_recompute_its_block_saves(rng):
+    r = Rates(CostModel())
+    for _ in range(120):
+        r.add(W, synthetic(rng, TRUE))
+    weights = tier_weights(r.model(W))
+    assert weights == pytest.approx({"device": 0.9, "host": 0.5, "dram": 0.4, "disk": 0.1, "pulled": 0.25}, abs=1e-6)
+
+
+@pytest.mark.parametrize("pulled_s, weight", [(3e-3, 0.0), (0.0, 1.0)])
+def test_a_weight_stays_within_nothing_saved_and_all_saved(rng, pulled_s, weight):
+    r = Rates(CostModel())
+    for _ in range(120):
+        r.add(W, synthetic(rng, {**TRUE, "pulled": pulled_s}))
+    assert r.model(W).peer_pull_weight == pytest.approx(weight, abs=1e-6)
+
+
+def test_configured_weights_stand_until_enough_samples_and_for_tiers_never_seen(rng):
+    base = CostModel(disk_cache_hit_weight=0.3)
+    r = Rates(base, RateSettings(min_samples=32))
+    for _ in range(31):
+        r.add(W, synthetic(rng, TRUE))
+    assert r.model(W) == base and r.model(("other", 0)) == base
+    no_disk = {**TRUE, "disk": 0.0}
+    for _ in range(60):
+        s = synthetic(rng, no_disk)
+        r.add(W, Sample(s.computed, s.device, s.host, s.dram, 0, s.pulled, s.seconds))
+    assert r.model(W).disk_cache_hit_weight == 0.3  # no sample had disk blocks
+    assert r.model(W).host_cache_hit_weight == pytest.approx(0.5, abs=1e-6)
+
+
+def test_the_fit_follows_a_worker_whose_rates_change(rng):
+    r = Rates(CostModel(), RateSettings(window=64))
+    for _ in range(200):
+        r.add(W, synthetic(rng, TRUE))
+    slower_host = {**TRUE, "host": 1.8e-3}
+    for _ in range(600):
+        r.add(W, synthetic(rng, slower_host))
+    assert r.model(W).host_cache_hit_weight == pytest.approx(0.1, abs=0.02)
+
+
+def test_a_forgotten_worker_is_scored_with_the_configured_weights_again(rng):
+    r = Rates(CostModel())
+    for _ in range(64):
+        r.add(W, synthetic(rng, TRUE))
+    assert r.model(W) != r.base
+    r.forget(W)
+    assert r.model(W) == r.base
+
+
+def test_a_sample_with_negative_blocks_or_time_is_refused():
+    with pytest.raises(ValueError, match="no negative"):
+        Sample(1, 0, 0, 0, 0, -1, 0.1)
+    with pytest.raises(ValueError, match="no negative"):
+        Sample(1, 0, 0, 0, 0, 0, -0.1)
+
+
+def test_a_term_never_seen_fits_zero_and_leaves_the_others_exact():
+    assert solve([[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]) == [0.0, 0.0]
+    assert solve([[4.0, 0.0], [0.0, 0.0]], [2.0, 0.0]) == pytest.approx([0.5, 0.0])
+
+
+def test_a_route_measures_its_targets_blocks_by_kind():
+    overlap = Overlap(device=3, host=2, dram=1, disk=0, runner=1)
+    choice = Choice(W, 0.0, overlap, {W: 0.0})
+    route = Route(choice, {"actions": []}, request_blocks=20, overlaps={W: overlap},
+                  loads={W: Load(active_prefill_blocks=7)}, hint_blocks=10)
+    assert route.sample(0.25) == Sample(computed=10 + 7, device=3, host=2, dram=1, disk=0, pulled=4, seconds=0.25)
+
+
+def test_a_candidate_a_peer_can_feed_is_credited_its_pullable_blocks_at_the_pull_weight():
+    holder, idle, other_role = ("h", 0), ("i", 0), ("p", 0)
+    overlaps = {holder: Overlap(device=10, runner=10), other_role: Overlap(runner=16)}
+    endpoints = {holder: "tcp://h", idle: "tcp://i", other_role: "tcp://p"}
+    roles = {other_role: "prefill"}
+    pullable = pullable_blocks([holder, idle], overlaps, endpoints, roles)
+    assert pullable == {holder: 0, idle: 10}  # the prefill-role peer is no source for either
+    loads = {holder: Load(active_prefill_blocks=8)}
+    without = choose(CostModel(), [holder, idle], overlaps, loads, 12, 16, pullable=pullable)
+    assert without.worker == holder and without.costs[idle] == 12
+    models = {idle: CostModel(peer_pull_weight=0.9)}
+    with_pull = choose(CostModel(), [holder, idle], overlaps, loads, 12, 16, models=models, pullable=pullable)
+    assert with_pull.worker == idle and with_pull.costs[idle] == pytest.approx(3.0)
+
+
+def test_a_few_requests_stalled_by_something_else_barely_move_the_weights(rng):
+    r = Rates(CostModel())
+    for _ in range(200):
+        r.add(W, synthetic(rng, TRUE, noise=2e-3))
+    for i in range(200):
+        s = synthetic(rng, TRUE, noise=2e-3)
+        r.add(W, Sample(s.computed, s.device, s.host, s.dram, s.disk, s.pulled, s.seconds + (2.0 if i % 10 == 0 else 0)))
+    weights = tier_weights(r.model(W))
+    assert weights == pytest.approx({"device": 0.9, "host": 0.5, "dram": 0.4, "disk": 0.1, "pulled": 0.25}, abs=0.05)
