@@ -43,6 +43,8 @@ class AdapterConfig:
     # keep, as SGLang's `file` backend does through its shared directory.
     peers_dir: str = _key("auto", "a directory (only ours) where runners leave their info and find their peers' "
                                   "(auto: $XDG_RUNTIME_DIR/kvcr/peers, else <tmp>/kvcr-<uid>/peers; \"\" off)")
+    peers_etcd: str = _key("", "etcd's client URL (http://HOST:2379, Dynamo's will do): runners register there, "
+                               "held by a lease, and follow each other across hosts; replaces peers_dir")
     opportunistic: bool = _key(True, "with peers (listed or found): pull from the peer that announced the pages "
                                      "when no hint names a source")
     # TP > 1 or MLA: every rank attaches to this worker's (and DP rank's) sidecar.
@@ -56,7 +58,7 @@ class AdapterConfig:
 
 
 KEY_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
-             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "peers_dir": str,
+             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "peers_dir": str, "peers_etcd": str,
              "opportunistic": bool,
              "sidecar": str, "engine_events": bool}
 
@@ -83,6 +85,9 @@ def parse_adapter_config(extra: dict | None) -> AdapterConfig:
             raise AdapterConfigError(f"kvcr extra-config 'peers' entries must be tcp://, ipc:// or http(s):// "
                                      f"endpoints, got {bad[0]!r}")
         values["peers"] = tuple(values["peers"])
+    if values.get("peers_etcd") and not values["peers_etcd"].startswith(("http://", "https://")):
+        raise AdapterConfigError(f"kvcr extra-config 'peers_etcd' must be etcd's http(s):// client URL, got "
+                                 f"{values['peers_etcd']!r}")
     for key in ("claim_lease_s", "pull_timeout_s"):
         if key in values and values[key] <= 0:
             raise AdapterConfigError(f"kvcr extra-config {key!r} must be > 0, got {values[key]}")

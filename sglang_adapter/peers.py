@@ -1,6 +1,6 @@
 """Opportunistic sources: follow the peers' event streams (a thread), so a lookup that brings no
 hint can still find which peer holds the pages (Dynamo with stock SGLang workers, any router that
-knows nothing of kvcr). Peers come from a list of endpoints and from a peers directory."""
+knows nothing of kvcr). Peers come from a list of endpoints and from a peers directory or etcd."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvcr.proto.events import EventBatch
 from kvcr.proto.peer_inventory import PeerInventory
 
 from .peer_directory import PeerDirectory
+from .peer_etcd import EtcdPeers
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -24,7 +25,7 @@ RETRY_S = 2.0
 
 class PeerFeed:
     def __init__(self, endpoints: list[str], own_control: str, curve: CurveKeys | None = None, *,
-                 directory: PeerDirectory | None = None, namespaces: frozenset[str] = frozenset()) -> None:
+                 directory: PeerDirectory | EtcdPeers | None = None, namespaces: frozenset[str] = frozenset()) -> None:
         self.own = own_control
         self.curve = curve  # our runner's keys: its peers share them
         self.inventory = PeerInventory()

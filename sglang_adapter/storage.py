@@ -42,6 +42,7 @@ from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, plain_key_events, restorable
 from . import peer_directory
 from .peer_directory import PeerDirectory, PeerDirectoryError
+from .peer_etcd import EtcdPeers
 from .peers import PeerFeed
 from .pending import Pending, PendingClaims
 from .pulls import deliver_confirmed, request_hint_source, request_hints
@@ -139,8 +140,15 @@ class KVCRStorage(HiCacheStorage):
                     self.service.metrics.register(self.peer_feed)
             return self.service
 
-    def _join_peer_dir(self, info: dict) -> PeerDirectory | None:
-        """Leave our runner's public info where this host's other engines look for peers."""
+    def _join_peer_dir(self, info: dict) -> PeerDirectory | EtcdPeers | None:
+        """Leave our runner's public info where the other engines look for peers: etcd, or this
+        host's peers directory."""
+        if self.cfg.peers_etcd:
+            registry = EtcdPeers(self.cfg.peers_etcd)
+            registry.join(info)
+            atexit.register(registry.leave)  # else its lease ends within its TTL
+            log.info("kvcr: peers found through etcd at %s", self.cfg.peers_etcd)
+            return registry
         path = peer_directory.resolve(self.cfg.peers_dir)
         if path is None:
             return None

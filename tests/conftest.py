@@ -160,3 +160,15 @@ def hash_and_index_loops(request, monkeypatch):
         monkeypatch.setattr(index, "_count_stored", index._count_stored_py)
         monkeypatch.setattr(index, "_count_removed", index._count_removed_py)
     return request.param
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd (Debian's etcd-server) on loopback ports, stopped after the test."""
+    from kvcr.dynamo.local import Etcd
+
+    server = Etcd(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -210,13 +210,21 @@ def _followed(backend) -> dict[str, float]:
     return {s.labels["peer"]: s.value for s in blocks.samples}
 
 
-def test_backends_sharing_a_peers_dir_find_each_other_with_no_list(backends, tmp_path, caplog):
-    """One host, no router, no `peers`: each runner leaves its info in the directory, the others follow it."""
+@pytest.fixture(params=["peers_dir", "peers_etcd"])
+def registry(request, tmp_path):
+    """Where the backends find each other: one host's peers directory, or a real etcd."""
+    if request.param == "peers_dir":
+        return {"peers_dir": str(tmp_path)}
+    return {"peers_etcd": request.getfixturevalue("etcd").endpoint}
+
+
+def test_backends_sharing_a_registry_find_each_other_with_no_list(backends, registry, caplog):
+    """No router, no `peers`: each runner leaves its info in the directory (or etcd), the others follow it."""
     caplog.set_level(logging.INFO, logger="sglang_adapter.peers")
     pool_a, pool_b = mha_pool("page_first", page=PAGE), mha_pool("page_first", page=PAGE)
-    a = backends(pool_a, peers_dir=str(tmp_path))
-    b = backends(pool_b, peers_dir=str(tmp_path))
-    mla = backends(mha_pool("page_first", page=PAGE), mla=True, peers_dir=str(tmp_path))  # another layout
+    a = backends(pool_a, **registry)
+    b = backends(pool_b, **registry)
+    mla = backends(mha_pool("page_first", page=PAGE), mla=True, **registry)  # another layout
     pulled_unhinted(a, pool_a, b, pool_b, first_token=1900)
     assert list(_followed(b)) == [a.service.control.bound_endpoint]
     wait_until(lambda: all(f"peer {x.service.control.bound_endpoint} serves another model" in caplog.text
