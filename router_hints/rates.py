@@ -50,6 +50,7 @@ class RateSettings:
     min_samples: int = 64   # samples of a worker before any weight is measured
     min_tier_samples: int = 8  # samples with blocks at a tier before that tier's weight is measured
     refit_every: int = 8    # samples between refits (a fit is a small solve, not free on every request)
+    max_weight_sd: float = 0.1  # a tier's measured weight stands only when known this well (its standard error)
 
 
 @dataclass
@@ -60,8 +61,10 @@ class WorkerRates:
     xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * (len(KINDS) + 1) for _ in range(len(KINDS) + 1)])
     xty: list[float] = field(default_factory=lambda: [0.0] * (len(KINDS) + 1))
     seen: list[float] = field(default_factory=lambda: [0.0] * (len(KINDS) + 1))  # decayed samples with the term > 0
+    yy: float = 0.0
     samples: int = 0
     theta: list[float] = field(default_factory=list)  # the latest fit, intercept first; empty until min_samples
+    covariance: list[list[float]] = field(default_factory=list)  # the fit's, from its residuals
     spread: float = 0.0  # decayed mean absolute residual against the fit
 
     @property
@@ -80,6 +83,7 @@ class WorkerRates:
             residual = max(-bound, min(bound, y - expected))
             self.spread = keep * self.spread + (1 - keep) * abs(residual)
             y = expected + residual
+        self.yy = keep * self.yy + y * y
         for i, xi in enumerate(x):
             self.xty[i] = keep * self.xty[i] + xi * y
             self.seen[i] = keep * self.seen[i] + (xi > 0)
@@ -91,17 +95,34 @@ class WorkerRates:
             self.refit()
 
     def refit(self) -> None:
+        n = len(self.xty)
         self.theta = solve(self.xtx, self.xty)
+        # Residual variance over the decayed samples, and the fit's covariance from it: a term the
+        # samples cannot tell from the others (collinear, or buried in noise) shows a wide spread.
+        rss = self.yy - 2 * sum(t * b for t, b in zip(self.theta, self.xty)) + sum(
+            self.theta[i] * self.xtx[i][j] * self.theta[j] for i in range(n) for j in range(n))
+        variance = max(rss, 0.0) / max(1.0, self.xtx[0][0] - n)
+        inverse = [solve(self.xtx, [float(i == j) for i in range(n)]) for j in range(n)]
+        self.covariance = [[variance * inverse[j][i] for j in range(n)] for i in range(n)]
 
     def weights(self) -> dict[str, float]:
-        """The measured weight of each tier with enough samples (none while computing a block is not
-        measured to cost time)."""
-        per = self.seconds_per_block
-        compute = per.get("computed", 0.0)
-        if compute <= 0 or self.seen[1] < self.settings.min_tier_samples:
+        """The measured weight of each tier touched by enough samples and known well enough; none
+        while computing a block is not measured to cost time."""
+        if not self.theta or self.seen[1] < self.settings.min_tier_samples:
             return {}
-        return {kind: min(1.0, max(0.0, 1.0 - per[kind] / compute)) for i, kind in enumerate(KINDS[1:], start=2)
-                if self.seen[i] >= self.settings.min_tier_samples}
+        compute, cov = self.theta[1], self.covariance
+        if compute <= 0 or cov[1][1] ** 0.5 > 0.25 * compute:
+            return {}
+        out = {}
+        for i, kind in enumerate(KINDS[1:], start=2):
+            if self.seen[i] < self.settings.min_tier_samples:
+                continue
+            ratio = self.theta[i] / compute
+            # the standard error of 1 - b/a (first order in the fit's errors)
+            sd = max(0.0, cov[i][i] + ratio * ratio * cov[1][1] - 2 * ratio * cov[i][1]) ** 0.5 / compute
+            if sd <= self.settings.max_weight_sd:
+                out[kind] = min(1.0, max(0.0, 1.0 - ratio))
+        return out
 
 
 def solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -127,3 +127,18 @@ def test_a_few_requests_stalled_by_something_else_barely_move_the_weights(rng):
         r.add(W, Sample(s.computed, s.device, s.host, s.dram, s.disk, s.pulled, s.seconds + (2.0 if i % 10 == 0 else 0)))
     weights = tier_weights(r.model(W))
     assert weights == pytest.approx({"device": 0.9, "host": 0.5, "dram": 0.4, "disk": 0.1, "pulled": 0.25}, abs=0.05)
+
+
+def test_weights_the_samples_cannot_pin_down_stay_as_configured(rng):
+    """Every request computing the same 3 blocks cannot tell a computed block's cost from the fixed
+    part, and noise swamping the blocks' costs leaves every weight unknown."""
+    same_work = Rates(CostModel())
+    for _ in range(300):
+        device = rng.randint(0, 100)
+        seconds = 0.01 + 3 * TRUE["computed"] + TRUE["device"] * device + TRUE["host"] * (100 - device)
+        same_work.add(W, Sample(3, device, 100 - device, 0, 0, 0, seconds + rng.uniform(-1e-3, 1e-3)))
+    assert same_work.model(W) == same_work.base
+    noisy = Rates(CostModel())
+    for _ in range(100):
+        noisy.add(W, synthetic(rng, TRUE, noise=0.5))
+    assert noisy.model(W) == noisy.base
