@@ -1,10 +1,13 @@
 """kvcr beside the router SGLang operators run, on SGLang's own benchmark client, same engines, same run.
 
-    .venv/bin/python bench/vs_sglang_router.py [--workloads fits exceeds] [--repeats 2] [--quick] [--no-write]
+    .venv/bin/python bench/vs_sglang_router.py [--workloads exceeds fits mooncake] [--scenarios knee restart]
+        [--repeats 2] [--quick] [--no-write]
 
 Two live SGLang 0.5.23 engines (the development-only CPU harness) take SGLang's own client
-(`python -m sglang.benchmark.serving`, `generated-shared-prefix`, `--cache-report
---output-details`) through each router in front of them:
+(`python -m sglang.benchmark.serving`, `--cache-report --output-details`) through each router in
+front of them, on three workloads: `generated-shared-prefix` that fits the engines' pools and that
+exceeds them, and a multi-turn trace in Mooncake's format the bench writes (seeded) and the client
+replays at its timestamps (`--dataset-name mooncake`; a subset of the rows, see ROWS):
 
 - `kvcr router` on kvcr engines (the launcher's defaults: the engines' own events relayed, and
   each engine finds the other in the user's peers directory);
@@ -19,12 +22,27 @@ pools are flushed and its L3 storage cleared (kvcr's runner; the `file` director
 The anchor is the better (lower mean TTFT) of the two
 `cache_aware` rows; "vs anchor" is the median over prompts of a row's TTFT over the anchor's for
 the same prompt (same seed, same request order), in the same repeat.
+
+Before the workloads, on one set of kvcr engines (`--scenarios`):
+
+- knee: one engine alone (its own URL, no router) takes the exceeds prompts sent at once at max
+  concurrency 1, 2, 4, 8, 16; the knee is the smallest whose throughput (completed requests over
+  the client's duration) is within 90 % of the best, and exceeds then runs at twice it, sent at
+  once (`--quick` skips it: exceeds at a fixed concurrency);
+- restart: behind `kvcr router` and behind sglang-router `cache_aware`, caches emptied, a small
+  fits workload once, engine B stopped and started again on the same ports (same URL for the
+  routers, same runner endpoints for its peer), the same prompts again; B's own counters say how
+  many of its prompt tokens came from its caches, from storage (pulled from A: its runner starts
+  empty) or were recomputed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import random
 import statistics
 import subprocess
 import sys
@@ -54,25 +72,93 @@ class Workload:
     concurrency: int
     zipf: float = 0.0  # > 0: groups drawn with this skew
 
+    @property
+    def total(self) -> int:
+        return self.groups * self.per_group
+
     def client_args(self) -> list[str]:
         skew = ["--gsp-group-distribution", "zipf", "--gsp-zipf-alpha", str(self.zipf)] if self.zipf else []
         return ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(self.groups),
                 "--gsp-prompts-per-group", str(self.per_group), "--gsp-system-prompt-len", str(self.system_len),
                 "--gsp-question-len", "32", "--gsp-output-len", "8", "--num-prompts",
-                str(self.groups * self.per_group), "--request-rate", str(self.rate),
+                str(self.total), "--request-rate", str(self.rate),
                 "--max-concurrency", str(self.concurrency), *skew]
 
     def describe(self) -> str:
         skew = f", zipf {self.zipf}" if self.zipf else ""
+        rate = "all sent at once" if math.isinf(self.rate) else f"{self.rate:g} req/s"
         return (f"{self.groups} groups x {self.per_group} prompts{skew}, ~{int(self.system_len * 1.7)}-token shared "
-                f"prefixes, {self.rate:g} req/s, concurrency {self.concurrency}")
+                f"prefixes, {rate}, concurrency {self.concurrency}")
+
+
+BLOCK = 512  # tokens per Mooncake hash_id
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Multi-turn sessions in Mooncake's trace format (a JSON line a request: timestamp in ms,
+    input_length, output_length, hash_ids of its 512-token blocks), replayed by SGLang's client at
+    the trace's timestamps. Each turn repeats the session's blocks and adds one, and a session opens
+    with one of a few shared system-prompt blocks, as Mooncake's conversation trace does."""
+    name: str
+    requests: int
+    sessions_per_s: float         # Poisson session starts
+    system_prompts: int = 4
+    turns: tuple[int, int] = (2, 5)
+    think_s: tuple[float, float] = (2.0, 6.0)  # between a session's turns
+    output_len: int = 8
+    seed: int = 7
+    path: Path = Path("mooncake.jsonl")
+
+    @property
+    def total(self) -> int:
+        return self.requests
+
+    def records(self) -> list[dict]:
+        rng = random.Random(self.seed)
+        records, fresh, start = [], self.system_prompts, 0.0
+        while len(records) < self.requests:
+            start += rng.expovariate(self.sessions_per_s)
+            blocks, at = [rng.randrange(self.system_prompts)], start
+            for _ in range(rng.randint(*self.turns)):
+                blocks, fresh = [*blocks, fresh], fresh + 1
+                records.append({"timestamp": round(at * 1000), "output_length": self.output_len, "hash_ids": blocks,
+                                "input_length": BLOCK * (len(blocks) - 1) + rng.randint(1, BLOCK)})
+                at += rng.uniform(*self.think_s)
+        # the latest go: a session keeps its earlier turns; the client's warmup request is the first
+        # line at 512 words a block, so a two-block first turn keeps it inside the context
+        return sorted(records, key=lambda r: r["timestamp"])[:self.requests]
+
+    def written(self, directory: Path) -> "Trace":
+        path = directory / f"{self.name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in self.records()))
+        return dataclasses.replace(self, path=path)
+
+    def client_args(self) -> list[str]:
+        return ["--dataset-name", "mooncake", "--dataset-path", str(self.path), "--num-prompts", str(self.requests),
+                "--mooncake-slowdown-factor", "1", "--mooncake-num-rounds", "1"]
+
+    def describe(self) -> str:
+        records = self.records()
+        span_s = (records[-1]["timestamp"] - records[0]["timestamp"]) / 1000
+        longest = max(len(r["hash_ids"]) for r in records)
+        return (f"a Mooncake-format trace (written by the bench, seed {self.seed}): {self.requests} requests in "
+                f"multi-turn sessions starting at {self.sessions_per_s:g}/s (Poisson), "
+                f"{self.turns[0]}–{self.turns[1]} turns {self.think_s[0]:g}–{self.think_s[1]:g} s apart, each turn "
+                f"one {BLOCK}-token block (hash_id) longer than the last, opening with one of "
+                f"{self.system_prompts} shared system-prompt blocks; "
+                f"{self.requests / span_s:.1f} req/s over {span_s:.0f} s, replayed at the trace's timestamps; "
+                f"{longest} blocks at most, which SGLang's Mooncake loader writes as 128 words a block (~257 "
+                f"tokens here: it ignores input_length), {self.output_len} output tokens")
 
 
 # Each engine's device pool holds 4096 tokens (256 pages): "fits" needs ~1.3k prefix pages per
 # engine at most; "exceeds" asks for ~1.1k-token prefixes over 24 groups, several times both pools.
 WORKLOADS = {"fits": Workload("fits", 8, 8, 300, 2.0, 2),
-             "exceeds": Workload("exceeds", 24, 4, 650, 3.0, 4, zipf=1.1)}
-QUICK = {"fits": Workload("fits", 3, 4, 200, 2.0, 2), "exceeds": Workload("exceeds", 6, 3, 400, 3.0, 3, zipf=1.1)}
+             "exceeds": Workload("exceeds", 24, 4, 650, 3.0, 4, zipf=1.1),
+             "mooncake": Trace("mooncake", 208, 1.6)}
+QUICK = {"fits": Workload("fits", 3, 4, 200, 2.0, 2), "exceeds": Workload("exceeds", 6, 3, 400, 3.0, 3, zipf=1.1),
+         "mooncake": Trace("mooncake", 40, 1.6)}
 
 
 @dataclass(frozen=True)
@@ -105,6 +191,24 @@ class Run:
     mean_e2e: float
     ttfts: list[float] = field(default_factory=list)  # s, in request order
     stages: dict[str, float] = field(default_factory=dict)  # where the time went: mean per request
+    throughput: float = 0.0  # completed requests / s
+
+
+def wait_for(done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.5)
+
+
+def router_down(url: str) -> float:
+    """Workers kvcr's router routes nothing to: down (events stopped) or failing."""
+    from kvcr.demo.sglang_driver import metric
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return metric(text, "kvcr_router_workers_down") + metric(text, "kvcr_router_workers_failing")
 
 
 def wait_http(url: str, timeout_s: float = 120.0) -> None:
@@ -203,6 +307,23 @@ class EngineSet:
             got["route_s"] = metric(text, "kvcr_router_route_seconds_sum")
         return got
 
+    def restart(self, index: int) -> None:
+        """Engine `index` stopped as an operator stops it (SIGTERM) and started again on the same
+        ports (the routers keep its URL, its peers its runner's endpoints); back once it follows its
+        peers again and kvcr's router counts no worker down."""
+        from kvcr.demo.sglang_driver import metric
+
+        engine = self.engines[index]
+        engine.stop()
+        engine.start().wait_ready(600)
+        for peer in (p for p in self.engines if p is not engine):
+            held = len(peer.stored_hashes())
+            wait_for(lambda: metric(engine.runner_get("/metrics"), "kvcr_peer_feed_blocks",
+                                    peer=peer.endpoints["control"]) >= held, f"{engine.name} follows {peer.name} again")
+        for (router, _), (url, _) in self.routers.items():
+            if router == "kvcr":
+                wait_for(lambda: router_down(url) == 0, f"kvcr's router routes to {engine.name} again")
+
     def cold(self) -> None:
         """Every run starts from empty caches: device and host pools (/flush_cache) and the L3
         storage, which a flush keeps (SGLang's own clear route: kvcr's runner, the shared directory)."""
@@ -236,7 +357,7 @@ def stages(before: dict[str, float], after: dict[str, float], run: Run) -> dict[
     return out
 
 
-def client(url: str, workload: Workload, model: Path, out: Path, seed: int) -> Run:
+def client(url: str, workload: Workload | Trace, model: Path, out: Path, seed: int) -> Run:
     """SGLang's own client against `url`; the model is named so it needs no readiness probe."""
     from sglang_adapter.cpu_harness.server import harness_env
 
@@ -250,12 +371,12 @@ def client(url: str, workload: Workload, model: Path, out: Path, seed: int) -> R
     r = json.loads(out.read_text().splitlines()[-1])
     c = r["cache_report"]
     prompt = c["total_prompt_tokens"] or 1
-    return Run(r["completed"], workload.groups * workload.per_group, c["total_cached_tokens"] / prompt,
+    return Run(r["completed"], workload.total, c["total_cached_tokens"] / prompt,
                (c["device_cached_tokens"] or 0) / prompt, r["mean_ttft_ms"], r["p99_ttft_ms"],
-               r["mean_e2e_latency_ms"], r["ttfts"])
+               r["mean_e2e_latency_ms"], r["ttfts"], throughput=r["completed"] / r["duration"])
 
 
-def measure(workload: Workload, repeats: int, run: Path, model: Path, sgr_python: str,
+def measure(workload: Workload | Trace, repeats: int, run: Path, model: Path, sgr_python: str,
             systems: tuple[System, ...] = SYSTEMS) -> dict[str, list[Run]]:
     got: dict[str, list[Run]] = {s.name: [] for s in systems}
     for kind in dict.fromkeys(s.engines for s in systems):
@@ -274,6 +395,127 @@ def measure(workload: Workload, repeats: int, run: Path, model: Path, sgr_python
     return got
 
 
+# 16 beside 1-8, so a knee of 8 is one the curve shows rather than the end of the range: two of
+# three first runs here (another load on the two cores) still rose at 8.
+KNEE_CONCURRENCY = (1, 2, 4, 8, 16)
+# The exceeds prompts sent at once, the client's concurrency the only limit: one engine alone
+# completed 5-20 requests/s at concurrency 1 in those runs, so at the former 3 req/s over two
+# engines each had well under one request in flight and no concurrency limit ever bound.
+EXCEEDS_RATE = math.inf
+
+
+@dataclass(frozen=True)
+class Knee:
+    """One kvcr engine's throughput (no router) on the exceeds prompts sent at once, per max concurrency."""
+    prompts: int
+    throughputs: dict[int, float]  # max concurrency -> completed requests / s
+
+    @property
+    def knee(self) -> int:
+        best = max(self.throughputs.values())
+        return min(c for c, t in self.throughputs.items() if t >= 0.9 * best)
+
+    def lines(self) -> list[str]:
+        measured = ", ".join(f"{t:.1f} at {c}" for c, t in self.throughputs.items())
+        return [f"Knee of one engine, measured in this run (a kvcr engine on its own URL, no router; SGLang's "
+                f"client with the {self.prompts} exceeds prompts sent at once, caches emptied before each "
+                f"concurrency): requests/s {measured}; the knee (the smallest concurrency within 90 % of the "
+                f"best) is {self.knee}, so exceeds runs at concurrency {2 * self.knee}."]
+
+
+def measure_knee(engines: EngineSet, workload: Workload, model: Path, run: Path) -> Knee:
+    probe = dataclasses.replace(workload, rate=math.inf)
+    got = {}
+    for concurrency in KNEE_CONCURRENCY:
+        engines.cold()
+        got[concurrency] = client(engines.engines[0].url, dataclasses.replace(probe, concurrency=concurrency), model,
+                                  run / "knee.jsonl", seed=7).throughput
+        print(f"  knee: concurrency {concurrency}: {got[concurrency]:.2f} requests/s", flush=True)
+    return Knee(probe.total, got)
+
+
+RESTART_ROWS = ("kvcr router", "sglang-router cache_aware")
+# by --quick; sent at once so the routers see load and the restarted engine is sent requests (at
+# concurrency 2 kvcr's router sent every one to the engine holding the prefixes)
+RESTART = {False: Workload("fits", 8, 4, 300, math.inf, 8), True: Workload("fits", 4, 4, 200, math.inf, 8)}
+# Rows the trace runs through (each run is as long as the trace)
+ROWS = {"mooncake": ("kvcr router", *ANCHORS, "sglang-router round_robin", "sglang-router round_robin, SGLang file",
+                     "sglang-router cache_aware, SGLang file")}
+# the restarted engine's own counters (it starts from zero), and its runner's pulls
+RESTART_COUNTERS = {
+    "requests": ("sglang:num_requests_total", {}),
+    "prompt": ("sglang:prompt_tokens_total", {}),
+    "device": ("sglang:cached_tokens_total", {"cache_source": "device"}),
+    "host": ("sglang:cached_tokens_total", {"cache_source": "host"}),
+    "storage": ("sglang:cached_tokens_total", {"cache_source": "storage"}),
+    "ttft_s": ("sglang:time_to_first_token_seconds_sum", {}),
+    "ttft_count": ("sglang:time_to_first_token_seconds_count", {}),
+}
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The second run after engine B's restart, as B saw it (prompt tokens by where they came from)."""
+    router: str
+    counts: dict[str, float]  # RESTART_COUNTERS' keys and "pulled_pages", second run only
+    recomputed_a: float  # prompt tokens the peer recomputed meanwhile
+    first_ttft: float   # the client's mean, ms: before the restart
+    second_ttft: float  # and after
+
+    def row(self) -> str:
+        c = self.counts
+        engine_ttft = c["ttft_s"] / max(c["ttft_count"], 1) * 1e3
+        return (f"| {self.router} | {c['requests']:.0f} | {c['prompt']:.0f} | "
+                f"{portion(c['device'] + c['host'], c['prompt'])} | {portion(c['storage'], c['prompt'])} | "
+                f"{c['pulled_pages']:.0f} | {portion(recomputed(c), c['prompt'])} | {self.recomputed_a:.0f} | "
+                f"{engine_ttft:.0f} | "
+                f"{self.first_ttft:.0f} → {self.second_ttft:.0f} |")
+
+
+def recomputed(counts: dict[str, float]) -> float:
+    return counts["prompt"] - counts["device"] - counts["host"] - counts["storage"]
+
+
+def portion(tokens: float, total: float) -> str:
+    return f"{tokens:.0f} ({tokens / max(total, 1):.0%})"
+
+
+def own_counters(engines: EngineSet, index: int) -> dict[str, float]:
+    from kvcr.demo.sglang_driver import metric
+
+    engine = engines.engines[index]
+    text = engine.get("/metrics")
+    got = {key: metric(text, name, **labels) for key, (name, labels) in RESTART_COUNTERS.items()}
+    got["pulled_pages"] = metric(engine.runner_get("/metrics"), "kvcr_pulled_pages_total")
+    return got
+
+
+def measure_restart(engines: EngineSet, workload: Workload, model: Path, run: Path) -> list[Restart]:
+    """Per router: cold caches, the workload once, engine B restarted, the same prompts again."""
+    got = []
+    for system in (s for s in SYSTEMS if s.name in RESTART_ROWS):
+        print(f"  restart, {system.name}", flush=True)
+        url = engines.router_url(system)
+        engines.cold()
+        first = client(url, workload, model, run / "client.jsonl", seed=7)
+        engines.restart(1)
+        before = [own_counters(engines, i) for i in (0, 1)]
+        second = client(url, workload, model, run / "client.jsonl", seed=7)
+        a, b = ({k: v - was[k] for k, v in own_counters(engines, i).items()} for i, was in enumerate(before))
+        got.append(Restart(system.name, b, recomputed(a), first.mean_ttft, second.mean_ttft))
+    return got
+
+
+def restart_report(workload: Workload, got: list[Restart]) -> list[str]:
+    columns = ["router (kvcr engines)", "requests to B", "B's prompt tokens", "cached on B (device, host)",
+               "from storage: pulled from A", "pages B pulled", "recomputed on B", "recomputed on A",
+               "B's engine TTFT ms", "client mean TTFT ms, before → after"]
+    return [f"**An engine restarted mid-run**: {workload.describe()}; caches emptied, the prompts run once, engine "
+            "B stopped (SIGTERM) and started again on the same ports, then the same prompts again. What B did with "
+            "the second run, from its own counters (SGLang's `--enable-metrics`, its runner's pulls; tokens):", "",
+            *table(columns, [r.row() for r in got])]
+
+
 def paired_ratio(runs: list[Run], anchor: list[Run]) -> Spread | None:
     """Per repeat, the median over prompts of TTFT / the anchor's TTFT for the same prompt."""
     ratios = []
@@ -284,7 +526,7 @@ def paired_ratio(runs: list[Run], anchor: list[Run]) -> Spread | None:
     return Spread.of(ratios) if ratios else None
 
 
-def report(workload: Workload, got: dict[str, list[Run]]) -> tuple[list[str], str]:
+def report(workload: Workload | Trace, got: dict[str, list[Run]]) -> tuple[list[str], str]:
     anchor = min((a for a in ANCHORS if a in got), key=lambda name: statistics.median(r.mean_ttft for r in got[name]))
     rows = []
     for system in (s for s in SYSTEMS if s.name in got):
@@ -308,7 +550,7 @@ BREAKDOWN = (("front_s", "in front of the engine", 1), ("route_s", "of which kvc
              ("storage_hit_tokens", "storage-hit tokens", 0), ("pulled_pages", "pages pulled from the peer", 1))
 
 
-def breakdown(workload: Workload, got: dict[str, list[Run]]) -> list[str]:
+def breakdown(workload: Workload | Trace, got: dict[str, list[Run]]) -> list[str]:
     """Where a request's time went before its first token: mean per request, median over repeats."""
     rows = []
     for system in (s for s in SYSTEMS if s.name in got):
@@ -323,37 +565,59 @@ def breakdown(workload: Workload, got: dict[str, list[Run]]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    parser.add_argument("--scenarios", nargs="*", choices=("knee", "restart"),
+                        help="run before the workloads: the knee of one engine (exceeds then runs at twice it) "
+                        "and an engine restarted mid-run; default both, --quick only restart (exceeds at a fixed "
+                        "concurrency)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", nargs="+", metavar="SYSTEM", help="only these rows (names as in the table; an "
                         "anchor is always run); nothing is written")
     parser.add_argument("--quick", action="store_true", help="small workloads, 1 repeat, nothing written")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
-    workloads = QUICK if args.quick else WORKLOADS
+    workloads = dict(QUICK if args.quick else WORKLOADS)
     repeats = 1 if args.quick else args.repeats
+    scenarios = args.scenarios if args.scenarios is not None else (("restart",) if args.quick else ("knee", "restart"))
     systems = SYSTEMS if not args.only else tuple(s for s in SYSTEMS if s.name in {*args.only, ANCHORS[0]})
     from sglang_adapter.cpu_harness.model import build_model
     from sglang_adapter.torchvision_stub import install
 
     install()
     sgr_python = managed_venv(ROOT / ".venv-sglang-router", [[SGLANG_ROUTER]], SGLANG_ROUTER)
-    tables, chart = [], {}
+    tables, chart, ahead, restarts = [], {}, {}, []
     with tempfile.TemporaryDirectory(prefix="kvcr-bench-vs-sgr-") as tmp:
         run = Path(tmp)
         model = build_model(run / "model")
+        workloads["mooncake"] = workloads["mooncake"].written(run)
+        if scenarios:
+            with EngineSet("kvcr", run, model, sgr_python) as engines:
+                if "knee" in scenarios:
+                    knee = measure_knee(engines, WORKLOADS["exceeds"], model, run)
+                    workloads["exceeds"] = dataclasses.replace(workloads["exceeds"], concurrency=2 * knee.knee,
+                                                               rate=EXCEEDS_RATE)
+                    ahead["exceeds"] = [*knee.lines(), ""]
+                    print("\n".join(knee.lines()), flush=True)
+                if "restart" in scenarios:
+                    restarts = restart_report(RESTART[args.quick],
+                                              measure_restart(engines, RESTART[args.quick], model, run))
+                    print("\n".join(restarts), flush=True)
         for name in args.workloads:
             workload = workloads[name]
-            got = measure(workload, repeats, run, model, sgr_python, systems)
+            rows = tuple(s for s in systems if s.name in ROWS.get(name, (s.name,)))
+            got = measure(workload, repeats, run, model, sgr_python, rows)
             lines, _ = report(workload, got)
+            lines = [*ahead.get(name, []), *lines]
             print("\n".join(lines), flush=True)
             tables.append(lines)
-            chart[name] = {s.name: [r.mean_ttft for r in got[s.name]] for s in systems}
+            chart[name] = {s.name: [r.mean_ttft for r in got[s.name]] for s in rows}
+    tables += [restarts] if restarts else []
     intro = (f"Two live SGLang 0.5.23 engines on the CPU harness (tiny Llama, 16-token pages, 4096-token device "
-             f"pools), SGLang's own client (`sglang.benchmark.serving`, generated-shared-prefix, 8 output "
-             f"tokens), {repeats} repeat(s) alternated A B … B A on each set of engines, device, host and L3 "
-             f"caches emptied before every run. Figures: median (min–max) over repeats. `vs anchor` pairs each prompt with the anchor's "
-             f"run of the same repeat. {machine_line()}. Command: `.venv/bin/python bench/vs_sglang_router.py`.")
+             f"pools), SGLang's own client (`sglang.benchmark.serving`: generated-shared-prefix with 8 output "
+             f"tokens, and a Mooncake-format trace), {repeats} repeat(s) alternated A B … B A on each set of "
+             f"engines, device, host and L3 caches emptied before every run. Figures: median (min–max) over "
+             f"repeats. `vs anchor` pairs each prompt with the anchor's run of the same repeat. {machine_line()}. "
+             f"Command: `.venv/bin/python bench/vs_sglang_router.py`.")
     publish("vs-sglang-router", "kvcr beside sglang-router, on SGLang's benchmark client", intro, tables,
             write=not (args.quick or args.no_write or args.only), chart=chart, unit="mean TTFT (ms)")
     return 0
