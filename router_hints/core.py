@@ -35,12 +35,14 @@ class Route:
     hint_blocks: int = 0  # leading blocks the hint names
     pullable: dict = field(default_factory=dict)  # per candidate: blocks a peer's runner would hand it
 
-    def sample(self, seconds: float) -> Sample:
-        """What this request measured of its worker's rates, its first byte `seconds` after it was sent."""
+    def sample(self, seconds: float, *, hinted: bool) -> Sample:
+        """What this request measured of its worker's rates, its first byte `seconds` after it was
+        sent; `hinted`: the hint reached the worker (else it pulled nothing on it)."""
         o = self.choice.overlap
-        pulled = max(0, self.hint_blocks - o.depth)
+        pulled = max(0, self.hint_blocks - o.depth) if hinted else 0
         new = max(0, self.request_blocks - o.depth - pulled)
-        ahead = self.loads.get(self.choice.worker, IDLE).active_prefill_blocks
+        # a booking can outlive its worker's removal and come back below zero
+        ahead = max(0, self.loads.get(self.choice.worker, IDLE).active_prefill_blocks)
         return Sample(new + ahead, o.device, o.host, o.dram, o.disk, pulled, seconds)
 
 
@@ -201,9 +203,11 @@ class RouterCore:
         """The weights `worker` is scored with: its measured ones, or as configured."""
         return self.rates.model(worker) if self.measure_costs else self.model
 
-    def measured(self, route: Route, seconds: float) -> None:
-        """A request routed by `route` answered its first byte after `seconds`."""
-        self.rates.add(route.choice.worker, route.sample(seconds))
+    def measured(self, route: Route, seconds: float, *, hinted: bool) -> None:
+        """A request routed by `route` answered its first byte after `seconds` (a worker that left
+        meanwhile is not measured again)."""
+        if self.measure_costs and route.choice.worker in self.publishers:
+            self.rates.add(route.choice.worker, route.sample(seconds, hinted=hinted))
 
     def close(self) -> None:
         self.subscriber.close()

@@ -12,7 +12,7 @@ the run has measured its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from .index import Worker
 from .scoring import CostModel
@@ -24,9 +24,8 @@ WEIGHT_OF = {"device": "overlap_score_credit", "host": "host_cache_hit_weight", 
 
 
 def tier_weights(model: CostModel) -> dict[str, float]:
-    return {"device": model.overlap_score_credit, "host": model.host_cache_hit_weight,
-            "dram": model.runner_dram_hit_weight, "disk": model.disk_cache_hit_weight,
-            "pulled": model.peer_pull_weight}
+    values = asdict(model)
+    return {tier: values[name] for tier, name in WEIGHT_OF.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +50,7 @@ class RateSettings:
     min_tier_samples: int = 8  # samples with blocks at a tier before that tier's weight is measured
     refit_every: int = 8    # samples between refits (a fit is a small solve, not free on every request)
     max_weight_sd: float = 0.1  # a tier's measured weight stands only when known this well (its standard error)
+    max_compute_rel_sd: float = 0.25  # nor any while a computed block's cost is known no better than this, relative
 
 
 @dataclass
@@ -65,6 +65,7 @@ class WorkerRates:
     samples: int = 0
     theta: list[float] = field(default_factory=list)  # the latest fit, intercept first; empty until min_samples
     covariance: list[list[float]] = field(default_factory=list)  # the fit's, from its residuals
+    measured: dict[str, float] = field(default_factory=dict)  # the weights the latest fit pins down
     spread: float = 0.0  # decayed mean absolute residual against the fit
 
     @property
@@ -101,17 +102,21 @@ class WorkerRates:
         # samples cannot tell from the others (collinear, or buried in noise) shows a wide spread.
         rss = self.yy - 2 * sum(t * b for t, b in zip(self.theta, self.xty)) + sum(
             self.theta[i] * self.xtx[i][j] * self.theta[j] for i in range(n) for j in range(n))
+        # Decayed weights with sum(w) - p degrees of freedom: on the cautious side (about sqrt 2 wide).
         variance = max(rss, 0.0) / max(1.0, self.xtx[0][0] - n)
+        if not self.spread:  # the first fit: residuals are clipped from here on, at about 2.4 sigma
+            self.spread = 0.8 * variance ** 0.5
         inverse = [solve(self.xtx, [float(i == j) for i in range(n)]) for j in range(n)]
         self.covariance = [[variance * inverse[j][i] for j in range(n)] for i in range(n)]
+        self.measured = self._weights()
 
-    def weights(self) -> dict[str, float]:
+    def _weights(self) -> dict[str, float]:
         """The measured weight of each tier touched by enough samples and known well enough; none
         while computing a block is not measured to cost time."""
-        if not self.theta or self.seen[1] < self.settings.min_tier_samples:
+        if self.seen[1] < self.settings.min_tier_samples:
             return {}
         compute, cov = self.theta[1], self.covariance
-        if compute <= 0 or cov[1][1] ** 0.5 > 0.25 * compute:
+        if compute <= 0 or max(0.0, cov[1][1]) ** 0.5 > self.settings.max_compute_rel_sd * compute:
             return {}
         out = {}
         for i, kind in enumerate(KINDS[1:], start=2):
@@ -149,14 +154,18 @@ class Rates:
     base: CostModel
     settings: RateSettings = field(default_factory=RateSettings)
     workers: dict[Worker, WorkerRates] = field(default_factory=dict)
+    _models: dict[Worker, CostModel] = field(default_factory=dict)  # asked per candidate per request: kept
 
     def add(self, worker: Worker, sample: Sample) -> None:
-        self.workers.setdefault(worker, WorkerRates(self.settings)).add(sample)
+        rates = self.workers.setdefault(worker, WorkerRates(self.settings))
+        before = rates.measured
+        rates.add(sample)
+        if rates.measured != before:
+            self._models[worker] = replace(self.base, **{WEIGHT_OF[k]: w for k, w in rates.measured.items()})
 
     def forget(self, worker: Worker) -> None:
         self.workers.pop(worker, None)
+        self._models.pop(worker, None)
 
     def model(self, worker: Worker) -> CostModel:
-        rates = self.workers.get(worker)
-        measured = rates.weights() if rates is not None else {}
-        return replace(self.base, **{WEIGHT_OF[k]: w for k, w in measured.items()}) if measured else self.base
+        return self._models.get(worker, self.base)

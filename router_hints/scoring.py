@@ -100,10 +100,11 @@ def hint_sources(target: Worker, overlaps: dict[Worker, Overlap], endpoints: dic
 
 def pullable_blocks(candidates: list[Worker], overlaps: dict[Worker, Overlap], endpoints: dict[Worker, str],
                     roles: dict[Worker, str]) -> dict[Worker, int]:
-    """Per candidate, the blocks past its own depth that the deepest peer's runner would hand it."""
+    """Per candidate, the blocks past its own depth that the deepest peer's runner would hand it
+    (none to one without a runner to take the hint)."""
     out = {}
     for w in candidates:
-        depth = max((d for _, d in hint_sources(w, overlaps, endpoints, roles)), default=0)
+        depth = max((d for _, d in hint_sources(w, overlaps, endpoints, roles)), default=0) if endpoints.get(w) else 0
         out[w] = max(0, depth - overlaps.get(w, NO_OVERLAP).depth)
     return out
 

@@ -43,8 +43,8 @@ class AdapterConfig:
     # keep, as SGLang's `file` backend does through its shared directory.
     peers_dir: str = _key("auto", "a directory (only ours) where runners leave their info and find their peers' "
                                   "(auto: $XDG_RUNTIME_DIR/kvcr/peers, else <tmp>/kvcr-<uid>/peers; \"\" off)")
-    peers_etcd: str = _key("", "etcd's client URL (http://HOST:2379, Dynamo's will do): runners register there, "
-                               "held by a lease, and follow each other across hosts; replaces peers_dir")
+    peers_etcd: str = _key("", "etcd's client URL (http://HOST:2379, Dynamo's will do): runners register "
+                               "there, held by a lease, and follow each other across hosts; replaces peers_dir")
     opportunistic: bool = _key(True, "with peers (listed or found): pull from the peer that announced the pages "
                                      "when no hint names a source")
     # TP > 1 or MLA: every rank attaches to this worker's (and DP rank's) sidecar.
@@ -58,8 +58,8 @@ class AdapterConfig:
 
 
 KEY_TYPES = {"runner_config": str, "runner": dict, "use_request_hints": bool, "use_posted_hints": bool,
-             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "peers_dir": str, "peers_etcd": str,
-             "opportunistic": bool,
+             "claim_lease_s": float, "pull_timeout_s": float, "model": str, "peers": list, "peers_dir": str,
+             "peers_etcd": str, "opportunistic": bool,
              "sidecar": str, "engine_events": bool}
 
 

@@ -1,10 +1,12 @@
 """Peers found through etcd (extra-config `peers_etcd`): engines on many hosts, or where Dynamo's
-etcd already runs. Each runner puts its public info under `kvcr/peers/`, held by a lease it keeps
-alive, so an engine that stops or dies leaves when its lease ends; each follows the others'.
+etcd already runs. Each runner puts its public info under `kvcr/peers/`, held by a lease that a
+thread of its own renews, so an engine that stops or dies leaves when its lease ends; each
+follows the others'.
 
 It answers as `PeerDirectory` does (join, rejoin, entries, leave), so the peer feed follows either.
-etcd is trusted as Dynamo trusts it: whatever is registered there is followed. Pulls still speak
-the runner's security (CURVE keys, docs/security.md), so an entry alone reaches no page.
+etcd is trusted as Dynamo trusts it: whatever is registered there is followed. The client sends
+no credentials (an etcd with auth refuses it, and the warning says so). Pulls still speak the
+runner's security (CURVE keys, docs/security.md), so an entry alone reaches no page.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import threading
+import urllib.error
 import urllib.request
 from dataclasses import asdict
 
@@ -19,7 +24,7 @@ from .peer_directory import Origin, PeerEntry
 
 log = logging.getLogger(__name__)
 PREFIX = "kvcr/peers/"
-TTL_S = 10      # a runner gone this long leaves; the feed renews every 2 s
+TTL_S = 10      # a runner gone this long leaves
 TIMEOUT_S = 2.0
 
 
@@ -38,61 +43,105 @@ def prefix_end(prefix: str) -> str:
 
 class EtcdPeers:
     def __init__(self, endpoint: str, prefix: str = PREFIX, ttl_s: int = TTL_S) -> None:
-        if not endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"peers_etcd = {endpoint!r} must be etcd's http(s):// client URL")
         self.endpoint, self.prefix, self.ttl_s = endpoint.rstrip("/"), prefix, ttl_s
         self.here = Origin.here()
         self.own: str | None = None   # our key
         self._value: str | None = None
-        self._lease: str | None = None
+        self._lease: str | None = None  # granted, and our key put under it
+        self._lock = threading.Lock()   # the renewal thread against leave
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False           # warned once per outage
         self._skipped: set[str] = set()
 
-    def _call(self, path: str, body: dict) -> dict:
+    def _call(self, path: str, body: dict, *, expect: str | None = None) -> dict:
         request = urllib.request.Request(self.endpoint + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
-                # keepalive answers a stream of one message here: the first line is it
-                return json.loads(resp.readline() or b"{}")
+                # keepalive is a stream whose first line is our answer; the others are one message
+                answer = json.loads(resp.readline() if path.endswith("keepalive") else resp.read())
+        except urllib.error.HTTPError as exc:
+            raise EtcdError(f"etcd at {self.endpoint}{path} answered {exc.code}"
+                            f"{' (auth is on: kvcr sends no credentials)' if exc.code == 401 else ''}") from None
         except (OSError, ValueError) as exc:
             raise EtcdError(f"etcd at {self.endpoint}{path}: {exc}") from None
+        if not isinstance(answer, dict) or (expect is not None and expect not in answer):
+            raise EtcdError(f"etcd at {self.endpoint}{path}: no {expect!r} in its answer {str(answer)[:200]!r}")
+        return answer
 
     def join(self, info: dict) -> str:
+        """Register, and keep registered until `leave` (an etcd down meanwhile: a warning, and
+        registered once it answers)."""
         self._value = json.dumps({"origin": asdict(self.here), "info": info})
         self.own = f"{self.prefix}{self.here.hostname}-{self.here.pid}-{info['incarnation']}"
-        try:
-            self._put()
-        except EtcdError as exc:  # etcd not up yet: the feed's next rejoin tries again
-            log.warning("peers_etcd: not registered yet: %s", exc)
+        self._renew()
+        self._thread = threading.Thread(target=self._run, name="kvcr-peers-etcd", daemon=True)
+        self._thread.start()
         return self.own
 
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            self._renew()
+
+    def _renew(self) -> None:
+        with self._lock:
+            if self.own is None:
+                return
+            try:
+                if self._lease is not None:
+                    answer = self._call("/v3/lease/keepalive", {"ID": self._lease}).get("result", {})
+                    if int(answer.get("TTL", 0)) > 0:
+                        self._recovered()
+                        return
+                    log.info("peers_etcd: our lease at %s had ended: entry put again", self.endpoint)
+                    self._lease = None
+                self._put()
+                self._recovered()
+            except EtcdError as exc:
+                if not self._failing:
+                    log.warning("peers_etcd: not registered (tried again every %.1f s): %s", self.ttl_s / 4, exc)
+                self._failing = True
+
+    def _recovered(self) -> None:
+        if self._failing:
+            log.info("peers_etcd: registered at %s again", self.endpoint)
+        self._failing = False
+
     def _put(self) -> None:
-        self._lease = str(self._call("/v3/lease/grant", {"TTL": self.ttl_s})["ID"])
-        self._call("/v3/kv/put", {"key": _b64(self.own), "value": _b64(self._value), "lease": self._lease})
+        lease = str(self._call("/v3/lease/grant", {"TTL": self.ttl_s}, expect="ID")["ID"])
+        try:
+            self._call("/v3/kv/put", {"key": _b64(self.own), "value": _b64(self._value), "lease": lease})
+        except EtcdError:
+            try:  # a lease with no key would be renewed for nothing
+                self._call("/v3/lease/revoke", {"ID": lease})
+            except EtcdError:
+                pass  # it ends with its TTL
+            raise
+        self._lease = lease
 
     def rejoin(self) -> None:
-        """Renew our lease; one never granted (etcd was down) or expired (etcd restarted, or we were
-        away past the TTL) is granted again and our entry put back."""
-        if self.own is None:
-            return
-        if self._lease is None:
-            self._put()
-            return
-        answer = self._call("/v3/lease/keepalive", {"ID": self._lease}).get("result", {})
-        if int(answer.get("TTL", 0)) <= 0:
-            log.info("peers_etcd: our lease at %s had ended: entry put again", self.endpoint)
-            self._put()
+        """Nothing to do: the registry's own thread keeps the entry (the directory's rewrites a removed file)."""
 
     def leave(self) -> None:
-        if self._lease is not None:
-            try:
-                self._call("/v3/lease/revoke", {"ID": self._lease})  # the entry goes with it
-            except EtcdError as exc:
-                log.info("peers_etcd: leaving: %s (the entry ends with its lease)", exc)
-        self.own = self._value = self._lease = None
+        """Revoke our lease (the entry goes with it); only the process that joined does."""
+        if os.getpid() != self.here.pid:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * TIMEOUT_S + 1)
+        with self._lock:
+            if self._lease is not None:
+                try:
+                    self._call("/v3/lease/revoke", {"ID": self._lease})
+                except EtcdError as exc:
+                    log.info("peers_etcd: leaving: %s (the entry ends with its lease)", exc)
+            self.own = self._value = self._lease = None
 
     def entries(self) -> dict[str, PeerEntry]:
-        """etcd key -> entry, for every peer registered but us; an unreadable one skipped with a warning."""
+        """etcd key -> entry, for every peer registered but us; an unreadable one skipped with a
+        warning. The lease removes a gone peer's entry; one of this host and boot whose process
+        ended is skipped until then."""
         answer = self._call("/v3/kv/range", {"key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix))})
         found: dict[str, PeerEntry] = {}
         for kv in answer.get("kvs", []):
@@ -106,7 +155,8 @@ class EtcdPeers:
                     self._skipped.add(key)
                     log.warning("peers_etcd: %s is not a runner's entry, skipped: %s", key, exc)
                 continue
-            if entry.origin.gone(self.here):  # ours, ended, its lease not yet out
+            # Another host of the same name has another boot id: only ours is judged by pid.
+            if entry.origin.boot == self.here.boot and entry.origin.gone(self.here):
                 continue
             found[key] = entry
         return found

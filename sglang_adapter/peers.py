@@ -17,7 +17,7 @@ from kvcr.proto.events import EventBatch
 from kvcr.proto.peer_inventory import PeerInventory
 
 from .peer_directory import PeerDirectory
-from .peer_etcd import EtcdPeers
+from .peer_etcd import EtcdError, EtcdPeers
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -38,6 +38,7 @@ class PeerFeed:
         self._sources: dict[str, int] = {}
         self._listed: dict[str, str | None] = {}  # directory file -> the endpoint it made us follow
         self._failures: dict[str, int] = {}  # peer -> snapshots failed in a row (retries back off)
+        self._registry_down = False  # etcd unreachable: warned once per outage
         # peer -> when to (re)load its snapshot: just joined, or lost batches replay could not repair
         self._resync: dict[str, float] = {}
         self.subscriber = Subscriber(on_unrepaired=lambda peer: self._resync.setdefault(peer, 0.0))
@@ -67,7 +68,14 @@ class PeerFeed:
     def _scan(self) -> None:
         """Follow the directory's new entries; stop following those whose files went."""
         self.directory.rejoin()
-        entries = self.directory.entries()
+        try:
+            entries = self.directory.entries()
+        except EtcdError as exc:  # etcd away: the peers followed stay followed until it answers
+            if not self._registry_down:
+                log.warning("kvcr peer feed: peers not listed: %s", exc)
+            self._registry_down = True
+            return
+        self._registry_down = False
         for name in set(self._listed) - set(entries):
             control = self._listed.pop(name)
             if control is not None:

@@ -131,7 +131,7 @@ class KVCRStorage(HiCacheStorage):
                 self.service = Service(self._runner_config()).start()
                 if self.service.pulls.puller is not None:  # claims we take outlive an uncollected prefetch
                     self.service.pulls.puller.lease_s = self.cfg.claim_lease_s
-                self.peer_dir = self._join_peer_dir(self.service.public_info())
+                self.peer_dir = self._join_peers(self.service.public_info())
                 if (self.cfg.peers or self.peer_dir is not None) and self.cfg.opportunistic:
                     own = frozenset(p["namespace_digest"] for p in self.service.runner.info()["pools"])
                     self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint,
@@ -140,13 +140,13 @@ class KVCRStorage(HiCacheStorage):
                     self.service.metrics.register(self.peer_feed)
             return self.service
 
-    def _join_peer_dir(self, info: dict) -> PeerDirectory | EtcdPeers | None:
+    def _join_peers(self, info: dict) -> PeerDirectory | EtcdPeers | None:
         """Leave our runner's public info where the other engines look for peers: etcd, or this
         host's peers directory."""
         if self.cfg.peers_etcd:
             registry = EtcdPeers(self.cfg.peers_etcd)
             registry.join(info)
-            atexit.register(registry.leave)  # else its lease ends within its TTL
+            atexit.register(registry.leave)  # seldom run under SGLang: the lease ends the entry then
             log.info("kvcr: peers found through etcd at %s", self.cfg.peers_etcd)
             return registry
         path = peer_directory.resolve(self.cfg.peers_dir)
@@ -479,13 +479,13 @@ class KVCRStorage(HiCacheStorage):
         return len(self._pending)
 
     def close(self) -> None:
+        if self.peer_feed is not None:  # first: it reads the registry we leave
+            self.peer_feed.close()
+            self.peer_feed = None
         if self.peer_dir is not None:
             self.peer_dir.leave()
             atexit.unregister(self.peer_dir.leave)
             self.peer_dir = None
-        if self.peer_feed is not None:
-            self.peer_feed.close()
-            self.peer_feed = None
         if self.service is not None:
             self._give_back(self._pending.drain())
             self.service.stop()

@@ -162,6 +162,13 @@ def hash_and_index_loops(request, monkeypatch):
     return request.param
 
 
+def runner_info(control: str, incarnation: str = "i1", digest: str = "ns1") -> dict:
+    """A runner's public info as a peers registry holds it (the fields a peer reads)."""
+    return {"incarnation": incarnation, "events_curve": False,
+            "endpoints": {"control": control, "events": control.replace("56", "57"), "replay": None},
+            "pools": [{"name": "kv", "namespace_digest": digest}]}
+
+
 @pytest.fixture
 def etcd(tmp_path):
     """A real etcd (Debian's etcd-server) on loopback ports, stopped after the test."""

@@ -10,12 +10,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from sglang_adapter.peer_directory import Origin, PeerDirectory, PeerDirectoryError, open_private, resolve
-
-
-def _info(control: str, incarnation: str = "i1", digest: str = "ns1") -> dict:
-    return {"incarnation": incarnation, "events_curve": False,
-            "endpoints": {"control": control, "events": control.replace("56", "57"), "replay": None},
-            "pools": [{"name": "kv", "namespace_digest": digest}]}
+from tests.conftest import runner_info as _info
 
 
 def _leave_entry(directory, name: str, origin: Origin, control: str = "tcp://127.0.0.1:5603") -> None:

@@ -1,16 +1,28 @@
-"""Peers registered in a real etcd (extra-config `peers_etcd`): held by a lease, renewed by the feed."""
+"""Peers registered in a real etcd (extra-config `peers_etcd`): held by a lease the registry renews itself."""
 
 import base64
 import json
-import logging
+import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
+from kvcr.dynamo.local import free_port
 from sglang_adapter.config import AdapterConfigError, parse_adapter_config
 from sglang_adapter.peer_etcd import EtcdError, EtcdPeers, prefix_end
-from tests.test_peer_directory import _info
+from tests.conftest import runner_info, wait_until
+
+# A registry in a process of its own, killed as an engine is: nothing revokes its lease.
+REGISTER = """
+import sys, time
+from sglang_adapter.peer_etcd import EtcdPeers
+from tests.conftest import runner_info
+EtcdPeers(sys.argv[1], ttl_s=2).join(runner_info("tcp://127.0.0.1:5609", "killed"))
+print("joined", flush=True)
+time.sleep(600)
+"""
 
 
 @pytest.fixture
@@ -26,48 +38,78 @@ def registry(etcd):
         r.leave()
 
 
-def test_each_runner_sees_the_others_entries_and_not_its_own(registry):
+def put(etcd, key: bytes, value: bytes) -> None:
+    body = json.dumps({"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()}).encode()
+    urllib.request.urlopen(urllib.request.Request(etcd.endpoint + "/v3/kv/put", data=body), timeout=5).read()
+
+
+def leases(etcd) -> list:
+    with urllib.request.urlopen(urllib.request.Request(etcd.endpoint + "/v3/lease/leases", data=b"{}"),
+                                timeout=5) as resp:
+        return json.load(resp).get("leases", [])
+
+
+def controls(r: EtcdPeers) -> list[str]:
+    return [e.control for e in r.entries().values()]
+
+
+def test_each_runner_sees_the_others_entries_and_not_its_own(registry, etcd):
     a, b = registry(), registry()
-    a.join(_info("tcp://127.0.0.1:5601", "a"))
-    b.join(_info("tcp://127.0.0.1:5602", "b"))
-    assert [e.control for e in a.entries().values()] == ["tcp://127.0.0.1:5602"]
+    a.join(runner_info("tcp://127.0.0.1:5601", "a"))
+    b.join(runner_info("tcp://127.0.0.1:5602", "b"))
+    assert controls(a) == ["tcp://127.0.0.1:5602"]
     (entry,) = b.entries().values()
     assert entry.control == "tcp://127.0.0.1:5601" and entry.namespace_digests == {"ns1"}
     a.leave()
-    assert b.entries() == {}
+    assert b.entries() == {} and len(leases(etcd)) == 1  # a's lease revoked with it
 
 
-def test_a_runner_that_stops_renewing_leaves_with_its_lease_and_is_back_on_its_next_renewal(registry, caplog):
-    a, b = registry(ttl_s=2), registry()
-    a.join(_info("tcp://127.0.0.1:5601", "a"))
-    b.join(_info("tcp://127.0.0.1:5602", "b"))
-    deadline = time.monotonic() + 15
-    while b.entries() and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert b.entries() == {}, "a's entry outlived its lease"
-    caplog.set_level(logging.INFO, logger="sglang_adapter.peer_etcd")
-    a.rejoin()
-    assert "lease at" in caplog.text and [e.control for e in b.entries().values()] == ["tcp://127.0.0.1:5601"]
+def test_a_registry_keeps_its_entry_past_many_leases_with_no_help(registry):
+    """Its own thread renews the lease: an engine that follows nobody (opportunistic off) stays
+    findable by those that do."""
+    a, b = registry(ttl_s=4), registry()
+    a.join(runner_info("tcp://127.0.0.1:5601", "a"))
+    time.sleep(9)
+    assert controls(b) == ["tcp://127.0.0.1:5601"]
+
+
+def test_a_killed_engines_entry_ends_with_its_lease(registry, etcd):
+    child = subprocess.Popen([sys.executable, "-c", REGISTER, etcd.endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "joined"
+        watcher = registry()
+        assert controls(watcher) == ["tcp://127.0.0.1:5609"]
+        child.kill()
+        child.wait(10)
+        wait_until(lambda: watcher.entries() == {}, 15, 0.25, "the killed engine's entry ended with its lease")
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_a_put_etcd_refuses_leaves_no_lease_behind_and_is_named(registry, etcd, caplog):
+    """etcd refuses a request over its size limit (1.5 MiB): the lease granted for it is revoked."""
+    big = registry()
+    big.join({**runner_info("tcp://127.0.0.1:5601", "big"), "padding": "x" * (2 << 20)})
+    assert "peers_etcd: not registered" in caplog.text
+    assert leases(etcd) == [] and controls(registry()) == []
 
 
 def test_a_value_that_is_not_a_runners_entry_is_skipped_with_a_warning(registry, etcd, caplog):
-    key = b"kvcr/peers/not-a-runner"
-    body = json.dumps({"key": base64.b64encode(key).decode(), "value": base64.b64encode(b"{}").decode()}).encode()
-    urllib.request.urlopen(urllib.request.Request(etcd.endpoint + "/v3/kv/put", data=body), timeout=5).read()
-    a = registry()
-    assert a.entries() == {}
+    put(etcd, b"kvcr/peers/not-a-runner", b"{}")
+    assert registry().entries() == {}
     assert "kvcr/peers/not-a-runner is not a runner's entry" in caplog.text
 
 
-def test_an_unreachable_etcd_is_a_warning_at_join_and_named_by_the_feeds_calls(caplog):
-    from kvcr.dynamo.local import free_port
-
+def test_an_unreachable_etcd_is_a_warning_at_join_and_named_when_listed(caplog):
     late = EtcdPeers(f"http://127.0.0.1:{free_port()}")
-    late.join(_info("tcp://127.0.0.1:5601", "a"))  # refused: the engine starts all the same
-    assert "not registered yet" in caplog.text
-    for call in (late.entries, late.rejoin):
+    try:
+        late.join(runner_info("tcp://127.0.0.1:5601", "a"))  # refused: the engine starts all the same
+        assert "peers_etcd: not registered" in caplog.text
         with pytest.raises(EtcdError, match=late.endpoint):
-            call()
+            late.entries()
+    finally:
+        late.leave()
 
 
 def test_the_range_end_covers_exactly_the_prefix():

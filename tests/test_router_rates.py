@@ -100,16 +100,22 @@ def test_a_route_measures_its_targets_blocks_by_kind():
     choice = Choice(W, 0.0, overlap, {W: 0.0})
     route = Route(choice, {"actions": []}, request_blocks=20, overlaps={W: overlap},
                   loads={W: Load(active_prefill_blocks=7)}, hint_blocks=10)
-    assert route.sample(0.25) == Sample(computed=10 + 7, device=3, host=2, dram=1, disk=0, pulled=4, seconds=0.25)
+    assert route.sample(0.25, hinted=True) == Sample(computed=10 + 7, device=3, host=2, dram=1, disk=0, pulled=4,
+                                                     seconds=0.25)
+    # a hint that never reached the worker pulled nothing: those blocks were computed
+    assert route.sample(0.25, hinted=False) == Sample(computed=14 + 7, device=3, host=2, dram=1, disk=0, pulled=0,
+                                                      seconds=0.25)
 
 
 def test_a_candidate_a_peer_can_feed_is_credited_its_pullable_blocks_at_the_pull_weight():
-    holder, idle, other_role = ("h", 0), ("i", 0), ("p", 0)
+    holder, idle, other_role, plain = ("h", 0), ("i", 0), ("p", 0), ("s", 0)
     overlaps = {holder: Overlap(device=10, runner=10), other_role: Overlap(runner=16)}
     endpoints = {holder: "tcp://h", idle: "tcp://i", other_role: "tcp://p"}
     roles = {other_role: "prefill"}
-    pullable = pullable_blocks([holder, idle], overlaps, endpoints, roles)
-    assert pullable == {holder: 0, idle: 10}  # the prefill-role peer is no source for either
+    pullable = pullable_blocks([holder, idle, plain], overlaps, endpoints, roles)
+    # the prefill-role peer is no source for either; a worker with no runner cannot take a hint
+    assert pullable == {holder: 0, idle: 10, plain: 0}
+    pullable.pop(plain)
     loads = {holder: Load(active_prefill_blocks=8)}
     without = choose(CostModel(), [holder, idle], overlaps, loads, 12, 16, pullable=pullable)
     assert without.worker == holder and without.costs[idle] == 12
@@ -124,7 +130,8 @@ def test_a_few_requests_stalled_by_something_else_barely_move_the_weights(rng):
         r.add(W, synthetic(rng, TRUE, noise=2e-3))
     for i in range(200):
         s = synthetic(rng, TRUE, noise=2e-3)
-        r.add(W, Sample(s.computed, s.device, s.host, s.dram, s.disk, s.pulled, s.seconds + (2.0 if i % 10 == 0 else 0)))
+        stall = 2.0 if i % 10 == 0 else 0.0
+        r.add(W, Sample(s.computed, s.device, s.host, s.dram, s.disk, s.pulled, s.seconds + stall))
     weights = tier_weights(r.model(W))
     assert weights == pytest.approx({"device": 0.9, "host": 0.5, "dram": 0.4, "disk": 0.1, "pulled": 0.25}, abs=0.05)
 
@@ -142,3 +149,26 @@ def test_weights_the_samples_cannot_pin_down_stay_as_configured(rng):
     for _ in range(100):
         noisy.add(W, synthetic(rng, TRUE, noise=0.5))
     assert noisy.model(W) == noisy.base
+
+
+def test_the_first_fit_sets_how_far_later_samples_may_stray(rng):
+    """Moderate noise and no stalls: the clip (3 mean residuals, from the first fit on) leaves the
+    noise as it is, so the standard errors the weights are admitted by stay honest."""
+    rates = WorkerRates(RateSettings())
+    for _ in range(64):
+        rates.add(synthetic(rng, TRUE, noise=0.02))
+    first = rates.spread
+    assert first == pytest.approx(0.8 * 0.02 / 3 ** 0.5, rel=0.35)  # uniform noise: sd = width / sqrt 3
+    for _ in range(400):
+        rates.add(synthetic(rng, TRUE, noise=0.02))
+    assert rates.spread == pytest.approx(0.02 / 2, rel=0.25)  # mean |uniform(-w, w)| = w / 2
+
+
+def test_a_core_that_does_not_measure_scores_with_the_configured_weights_and_takes_no_samples(rng):
+    from router_hints.core import RouterCore
+
+    core = RouterCore(block_size=16, measure_costs=False)
+    overlap = Overlap(device=3)
+    route = Route(Choice(W, 0.0, overlap, {W: 0.0}), None, request_blocks=10, overlaps={W: overlap})
+    core.measured(route, 0.1, hinted=False)
+    assert core.rates.workers == {} and core.model_of(W) == core.model

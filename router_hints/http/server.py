@@ -237,15 +237,18 @@ class Router:
             self._clients.pop(endpoint).close()
             raise
 
-    async def post_hint(self, worker: Worker, envelope: dict) -> None:
+    async def post_hint(self, worker: Worker, envelope: dict) -> bool:
+        """Whether the worker's runner took the hint."""
         control = self.core.publishers[worker].control
         try:
             await asyncio.get_running_loop().run_in_executor(self._posting, self._post, control, envelope)
             self.metrics.hints.labels("posted").inc()
+            return True
         except (TimeoutError, ControlError, OSError) as exc:
             # The request still runs; it computes what a pull would have brought.
             self.metrics.hints.labels("post_failed").inc()
             log.warning("posting a hint to %s failed: %s", control, exc)
+            return False
 
     def debug_view(self, tokens: list[int], cache_salt: str | None = None) -> dict:
         decision = self.decide(tokens, cache_salt=cache_salt)
@@ -377,9 +380,10 @@ class Router:
         self.metrics.inflight.labels(entry.name).inc()
         served = False
         try:
+            hinted = False
             if decision.hint is not None:
-                body = await self._issue_hint(route, target, body, decision.hint)
-            outcome = await self._relay(request, entry, route, body, booking, decision)
+                body, hinted = await self._issue_hint(route, target, body, decision.hint)
+            outcome = await self._relay(request, entry, route, body, booking, decision, hinted)
             served = not isinstance(outcome, Failed)
             return outcome
         finally:
@@ -387,17 +391,17 @@ class Router:
             self.core.active.finish(target, list(decision.seq_hashes), self.core.clock(), computed=served)
             self.metrics.inflight.labels(entry.name).dec()
 
-    async def _issue_hint(self, route: str, target: Worker, body: dict, hint: dict) -> dict:
+    async def _issue_hint(self, route: str, target: Worker, body: dict, hint: dict) -> tuple[dict, bool]:
+        """The body to send, and whether the hint reached the worker (posted, or in the body)."""
         self.metrics.hints.labels("issued").inc()
-        if self.cfg.post_hints:
-            await self.post_hint(target, hint)
+        posted = await self.post_hint(target, hint) if self.cfg.post_hints else False
         if self.cfg.attach_hints and route == "generate":
             self.metrics.hints.labels("attached").inc()
-            return front.attach_hint(body, hint)
-        return body
+            return front.attach_hint(body, hint), True
+        return body, posted
 
     async def _relay(self, request: web.Request, entry: WorkerEntry, route: str, body: dict,
-                     booking: front.Booking, decision: Route) -> web.StreamResponse | Failed:
+                     booking: front.Booking, decision: Route, hinted: bool) -> web.StreamResponse | Failed:
         """Forward the body; stream the answer back as it comes (a long generation has no total
         deadline, only one per read). Nothing reaches the client before the worker's first byte,
         so a failure until then is a `Failed` the caller may retry elsewhere."""
@@ -413,9 +417,10 @@ class Router:
                     return Failed(f"answered {up.status}: {raw[:200]!r}", refused=False,
                                   answer=(up.status, up.headers.get("Content-Type", "text/plain"), raw))
                 chunk = await up.content.readany()
-                if body.get("stream") is True and up.status == 200 and chunk:
-                    # A stream's first bytes are its first token: what this worker's blocks cost.
-                    self.core.measured(decision, time.monotonic() - sent)
+                # A stream's first bytes are its first token: what this worker's blocks cost (an
+                # error event is no token).
+                first_byte_s = (time.monotonic() - sent if body.get("stream") is True and up.status == 200
+                                and chunk and b'"error"' not in chunk[:64] else None)
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
                 try:
@@ -424,6 +429,9 @@ class Router:
                         if not booking.prefilled:
                             front.prefill_done(self.core.loads, booking)
                         await resp.write(chunk)
+                        if first_byte_s is not None:  # the client has its token before the fit runs
+                            self.core.measured(decision, first_byte_s, hinted=hinted)
+                            first_byte_s = None
                         chunk = await up.content.readany()
                     await resp.write_eof()
                 except ConnectionError as exc:
