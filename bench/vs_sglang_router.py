@@ -377,7 +377,9 @@ def client(url: str, workload: Workload | Trace, model: Path, out: Path, seed: i
 
 
 def measure(workload: Workload | Trace, repeats: int, run: Path, model: Path, sgr_python: str,
-            systems: tuple[System, ...] = SYSTEMS) -> dict[str, list[Run]]:
+            systems: tuple[System, ...] = SYSTEMS, costs: list[str] | None = None) -> dict[str, list[Run]]:
+    """Each system's runs; `costs` gets what kvcr's router measured by the end."""
+    costs = [] if costs is None else costs
     got: dict[str, list[Run]] = {s.name: [] for s in systems}
     for kind in dict.fromkeys(s.engines for s in systems):
         of_kind = [s for s in systems if s.engines == kind]
@@ -392,7 +394,29 @@ def measure(workload: Workload | Trace, repeats: int, run: Path, model: Path, sg
                     result = client(url, workload, model, run / "client.jsonl", seed=7)
                     result.stages = stages(before, engines.counters(system), result)
                     got[system.name].append(result)
+            if any(s.router == "kvcr" for s in of_kind):
+                costs.append(measured_costs(engines))
     return got
+
+
+def measured_costs(engines: EngineSet) -> str:
+    """What kvcr's router measured of each engine over the workload's runs (router_hints/rates.py)."""
+    from kvcr.demo.sglang_driver import metric
+
+    with urllib.request.urlopen(engines.router_url(SYSTEMS[0]) + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    parts = []
+    for e in engines.engines:
+        samples = metric(text, "kvcr_router_cost_samples_total", worker=e.name)
+        per = {k: metric(text, "kvcr_router_seconds_per_block", worker=e.name, kind=k) * 1e3
+               for k in ("computed", "device", "host", "dram", "pulled")}
+        sources = {t: "measured" if f'source="measured",tier="{t}",worker="{e.name}"' in text else "configured"
+                   for t in ("device", "host", "dram", "pulled")}
+        weights = ", ".join(f"{t} {metric(text, 'kvcr_router_tier_weight', worker=e.name, tier=t):.2f} ({src})"
+                            for t, src in sources.items())
+        fit = ", ".join(f"{k} {v:.2f}" for k, v in per.items()) if samples >= 64 else "not fitted yet"
+        parts.append(f"{e.name}: {samples:.0f} streamed requests timed; ms per block: {fit}; weights: {weights}")
+    return "kvcr router's measured costs at the end (`/metrics`): " + "; ".join(parts) + "."
 
 
 # 16 beside 1-8, so a knee of 8 is one the curve shows rather than the end of the range: two of
@@ -605,9 +629,10 @@ def main() -> int:
         for name in args.workloads:
             workload = workloads[name]
             rows = tuple(s for s in systems if s.name in ROWS.get(name, (s.name,)))
-            got = measure(workload, repeats, run, model, sgr_python, rows)
+            costs: list[str] = []
+            got = measure(workload, repeats, run, model, sgr_python, rows, costs)
             lines, _ = report(workload, got)
-            lines = [*ahead.get(name, []), *lines]
+            lines = [*ahead.get(name, []), *lines, *(["", *costs] if costs else [])]
             print("\n".join(lines), flush=True)
             tables.append(lines)
             chart[name] = {s.name: [r.mean_ttft for r in got[s.name]] for s in rows}

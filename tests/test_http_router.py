@@ -230,7 +230,7 @@ def test_each_streamed_answers_first_byte_is_a_cost_sample_and_the_weights_are_e
     generate(front.url, PROMPT)  # not streamed: its first byte is its whole answer, no sample
     assert cost_samples(front.url) == before + 3
     metrics = http(front.url + "/metrics")[2].decode()
-    assert 'kvcr_router_tier_weight{tier="host",worker=' in metrics
+    assert 'kvcr_router_tier_weight{source="configured",tier="host",worker=' in metrics
 
 
 def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, tmp_path):

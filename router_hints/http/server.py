@@ -122,8 +122,8 @@ class MeasuredCosts:
         per = GaugeMetricFamily("kvcr_router_seconds_per_block", "Measured seconds to first byte a block adds, "
                                 "by worker and kind (computed, or held at a tier)", labels=["worker", "kind"])
         weight = GaugeMetricFamily("kvcr_router_tier_weight", "Share of a recompute a block held at a tier "
-                                   "saves, as the worker is scored (measured, else configured)",
-                                   labels=["worker", "tier"])
+                                   "saves, as the worker is scored (source: measured, or configured)",
+                                   labels=["worker", "tier", "source"])
         samples = CounterMetricFamily("kvcr_router_cost_samples", "Streamed requests whose first byte was timed "
                                       "for the measured costs", labels=["worker"])
         for worker, rates in sorted(self.app.core.rates.workers.items()):
@@ -131,8 +131,9 @@ class MeasuredCosts:
             samples.add_metric([name], rates.samples)
             for kind, seconds in rates.seconds_per_block.items():
                 per.add_metric([name, kind], seconds)
+            measured = rates.measured if self.app.cfg.measure_costs else {}
             for tier, w in tier_weights(self.app.core.model_of(worker)).items():
-                weight.add_metric([name, tier], w)
+                weight.add_metric([name, tier, "measured" if tier in measured else "configured"], w)
         yield per
         yield weight
         yield samples
