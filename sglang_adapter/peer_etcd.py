@@ -11,34 +11,21 @@ runner's security (CURVE keys, docs/security.md), so an entry alone reaches no p
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
 import threading
-import urllib.error
-import urllib.request
 from dataclasses import asdict
+
+from kvcr.drivers import etcd
+from kvcr.drivers.etcd import EtcdError
 
 from .peer_directory import Origin, PeerEntry
 
+__all__ = ["EtcdError", "EtcdPeers"]
 log = logging.getLogger(__name__)
 PREFIX = "kvcr/peers/"
 TTL_S = 10      # a runner gone this long leaves
-TIMEOUT_S = 2.0
-
-
-class EtcdError(OSError):
-    pass
-
-
-def _b64(raw: str) -> str:
-    return base64.b64encode(raw.encode()).decode()
-
-
-def prefix_end(prefix: str) -> str:
-    """etcd's range end for every key starting with `prefix` (its last byte plus one)."""
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 class EtcdPeers:
@@ -55,20 +42,7 @@ class EtcdPeers:
         self._skipped: set[str] = set()
 
     def _call(self, path: str, body: dict, *, expect: str | None = None) -> dict:
-        request = urllib.request.Request(self.endpoint + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as resp:
-                # keepalive is a stream whose first line is our answer; the others are one message
-                answer = json.loads(resp.readline() if path.endswith("keepalive") else resp.read())
-        except urllib.error.HTTPError as exc:
-            raise EtcdError(f"etcd at {self.endpoint}{path} answered {exc.code}"
-                            f"{' (auth is on: kvcr sends no credentials)' if exc.code == 401 else ''}") from None
-        except (OSError, ValueError) as exc:
-            raise EtcdError(f"etcd at {self.endpoint}{path}: {exc}") from None
-        if not isinstance(answer, dict) or (expect is not None and expect not in answer):
-            raise EtcdError(f"etcd at {self.endpoint}{path}: no {expect!r} in its answer {str(answer)[:200]!r}")
-        return answer
+        return etcd.call(self.endpoint, path, body, expect=expect)
 
     def join(self, info: dict) -> str:
         """Register, and keep registered until `leave` (an etcd down meanwhile: a warning, and
@@ -111,7 +85,7 @@ class EtcdPeers:
     def _put(self) -> None:
         lease = str(self._call("/v3/lease/grant", {"TTL": self.ttl_s}, expect="ID")["ID"])
         try:
-            self._call("/v3/kv/put", {"key": _b64(self.own), "value": _b64(self._value), "lease": lease})
+            self._call("/v3/kv/put", {"key": etcd.b64(self.own), "value": etcd.b64(self._value), "lease": lease})
         except EtcdError:
             try:  # a lease with no key would be renewed for nothing
                 self._call("/v3/lease/revoke", {"ID": lease})
@@ -129,7 +103,7 @@ class EtcdPeers:
             return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(2 * TIMEOUT_S + 1)
+            self._thread.join(2 * etcd.TIMEOUT_S + 1)
         with self._lock:
             if self._lease is not None:
                 try:
@@ -142,14 +116,12 @@ class EtcdPeers:
         """etcd key -> entry, for every peer registered but us; an unreadable one skipped with a
         warning. The lease removes a gone peer's entry; one of this host and boot whose process
         ended is skipped until then."""
-        answer = self._call("/v3/kv/range", {"key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix))})
         found: dict[str, PeerEntry] = {}
-        for kv in answer.get("kvs", []):
-            key = base64.b64decode(kv.get("key", "")).decode(errors="replace")
+        for key, value in etcd.range_prefix(self.endpoint, self.prefix).items():
             if key == self.own:
                 continue
             try:
-                entry = PeerEntry.decode(json.loads(base64.b64decode(kv["value"])))
+                entry = PeerEntry.decode(json.loads(value))
             except (KeyError, ValueError, TypeError) as exc:
                 if key not in self._skipped:
                     self._skipped.add(key)

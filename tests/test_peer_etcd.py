@@ -1,17 +1,15 @@
 """Peers registered in a real etcd (extra-config `peers_etcd`): held by a lease the registry renews itself."""
 
-import base64
-import json
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
+from kvcr.drivers.etcd import b64, call, prefix_end
 from kvcr.dynamo.local import free_port
 from sglang_adapter.config import AdapterConfigError, parse_adapter_config
-from sglang_adapter.peer_etcd import EtcdError, EtcdPeers, prefix_end
+from sglang_adapter.peer_etcd import EtcdError, EtcdPeers
 from tests.conftest import runner_info, wait_until
 
 # A registry in a process of its own, killed as an engine is: nothing revokes its lease.
@@ -39,14 +37,11 @@ def registry(etcd):
 
 
 def put(etcd, key: bytes, value: bytes) -> None:
-    body = json.dumps({"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()}).encode()
-    urllib.request.urlopen(urllib.request.Request(etcd.endpoint + "/v3/kv/put", data=body), timeout=5).read()
+    call(etcd.endpoint, "/v3/kv/put", {"key": b64(key), "value": b64(value)})
 
 
 def leases(etcd) -> list:
-    with urllib.request.urlopen(urllib.request.Request(etcd.endpoint + "/v3/lease/leases", data=b"{}"),
-                                timeout=5) as resp:
-        return json.load(resp).get("leases", [])
+    return call(etcd.endpoint, "/v3/lease/leases", {}).get("leases", [])
 
 
 def controls(r: EtcdPeers) -> list[str]:

@@ -8,38 +8,27 @@ trusted as Dynamo trusts it: whatever is registered there is routed to.
 
 from __future__ import annotations
 
-import base64
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
+from kvcr.drivers import etcd
 from kvcr.proto.hints import KVCR_WORKER_KEY
 
 from ..discovery import DiscoveryError
 from .config import RouterConfigError, WorkerEntry, parse_worker
 
 
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode()
-
-
-def fetch_cards(etcd: str, namespace: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def fetch_cards(etcd_url: str, namespace: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """etcd key -> decoded model card, for every card under the namespace (etcd's JSON gateway)."""
-    prefix = f"v1/mdc/{namespace}/".encode()
-    body = json.dumps({"key": _b64(prefix), "range_end": _b64(prefix[:-1] + b"0")}).encode()
-    request = urllib.request.Request(etcd.rstrip("/") + "/v3/kv/range", data=body,
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            answer = json.load(resp)
-    except (OSError, ValueError) as exc:  # unreachable, or not an etcd answer
-        raise DiscoveryError(f"Dynamo's etcd at {etcd}: {exc}") from None
+        values = etcd.range_prefix(etcd_url, f"v1/mdc/{namespace}/", timeout_s=timeout_s)
+    except etcd.EtcdError as exc:  # unreachable, or not an etcd answer
+        raise DiscoveryError(f"Dynamo's {exc}") from None
     cards = {}
-    for kv in answer.get("kvs", []):
+    for key, value in values.items():
         try:
-            cards[base64.b64decode(kv["key"]).decode()] = json.loads(base64.b64decode(kv["value"]))
-        except (KeyError, ValueError, TypeError):
+            cards[key] = json.loads(value)
+        except ValueError:
             continue  # not a card: nobody's worker
     return cards
 
