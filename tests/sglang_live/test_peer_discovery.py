@@ -1,6 +1,7 @@
 """Live: two engines a user starts on one host with kvcr's defaults find each other through the
 user's peers directory, and one serves the other's prefix with no router, no hint and no list;
-an engine that crashes leaves the directory and its peer stops following it."""
+an engine that crashes leaves the directory and its peer stops following it. The same through
+etcd (`peers_etcd`), as engines on several hosts find each other."""
 
 from __future__ import annotations
 
@@ -68,3 +69,19 @@ def test_a_restarted_engine_serves_its_first_request_from_the_neighbours_pages(f
     assert again["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
     assert live.logprobs(again) == live.logprobs(first)
     assert len(list(directory.glob("*.json"))) == 2
+
+
+def test_engines_registered_in_etcd_serve_each_others_prefix_and_a_killed_one_leaves_with_its_lease(
+        engines, etcd, live):
+    a, b = engines("etcd-A", "etcd-B", args=WAIT, extra_config={"peers_etcd": etcd.endpoint})
+    text = prompt_text(250, 500)
+    first = live.serve(a, text)
+    full = first["meta_info"]["prompt_tokens"] // PAGE
+    wait_until(lambda: metric(_feed(b), "kvcr_peer_feed_blocks", peer=a.endpoints["control"]) >= full,
+               timeout_s=30, message="B found A in etcd and follows its stream")
+    pulled = live.generate(b, text)  # no hint, no router, no list, no shared directory
+    assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
+    assert live.logprobs(pulled) == live.logprobs(first)
+    a.stop(signal.SIGKILL)  # nothing revokes its lease: the entry ends with it (10 s)
+    wait_until(lambda: f'peer="{a.endpoints["control"]}"' not in _feed(b), timeout_s=45,
+               message="B stopped following A once A's lease ended")
