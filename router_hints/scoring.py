@@ -95,16 +95,29 @@ def hint_sources(target: Worker, overlaps: dict[Worker, Overlap], endpoints: dic
     """The peers a hint to `target` may name, with their runners' depth: same role, a control endpoint."""
     role = roles.get(target, "aggregated")
     return [(w, o.runner) for w, o in overlaps.items()
-            if w != target and o.runner and endpoints.get(w) and roles.get(w, "aggregated") == role]
+            if w != target and can_serve(w, o, endpoints) and roles.get(w, "aggregated") == role]
+
+
+def can_serve(worker: Worker, overlap: Overlap, endpoints: dict[Worker, str]) -> bool:
+    """A hint may name this worker: its runner holds blocks and takes pulls (a control endpoint)."""
+    return bool(overlap.runner and endpoints.get(worker))
 
 
 def pullable_blocks(candidates: list[Worker], overlaps: dict[Worker, Overlap], endpoints: dict[Worker, str],
                     roles: dict[Worker, str]) -> dict[Worker, int]:
     """Per candidate, the blocks past its own depth that the deepest peer's runner would hand it
-    (none to one without a runner to take the hint)."""
+    (none to one without a runner to take the hint). Asked per request: one pass over the holders."""
+    deepest: dict[str, list[tuple[int, Worker]]] = {}  # per role, the two deepest runners that can serve
+    for w, o in overlaps.items():
+        if can_serve(w, o, endpoints):
+            top = deepest.setdefault(roles.get(w, "aggregated"), [])
+            top.append((o.runner, w))
+            top.sort(key=lambda p: -p[0])
+            del top[2:]
     out = {}
     for w in candidates:
-        depth = max((d for _, d in hint_sources(w, overlaps, endpoints, roles)), default=0) if endpoints.get(w) else 0
+        peers = deepest.get(roles.get(w, "aggregated"), []) if endpoints.get(w) else []
+        depth = next((d for d, source in peers if source != w), 0)
         out[w] = max(0, depth - overlaps.get(w, NO_OVERLAP).depth)
     return out
 
