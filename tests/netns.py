@@ -40,7 +40,10 @@ def unavailable() -> str:
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and done.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or f'exit status {done.returncode}'}")
+    return done
 
 
 @dataclass
@@ -210,10 +213,13 @@ class TestHost:
         if self.holder is not None:
             self.inbound.hold(0)
         self.kill_everything()
-        _ip("netns", "del", self.ns, check=False)  # its veth end goes with it, and so the bridge's
+        # Deleting the bridge's end takes the pair now; a dying namespace takes it only once the
+        # kernel's cleanup work gets to it, and the next host made under that name would collide.
+        _ip("link", "del", f"kv{self.index}b", check=False)
+        _ip("netns", "del", self.ns, check=False)
 
 
-_LOCK_PATH = "/run/kvcr-test-hosts.lock"
+LOCK_PATH = "/run/kvcr-test-hosts.lock"
 _lock_fd: int | None = None
 
 
@@ -221,15 +227,22 @@ def make_hosts(n: int, state_dir: Path) -> list[TestHost]:
     """The hosts, once no other test run on this machine holds them (the names and the subnet are
     fixed, so two runs take turns)."""
     global _lock_fd
-    _lock_fd = os.open(_LOCK_PATH, os.O_CREAT | os.O_RDWR, 0o600)
+    _lock_fd = os.open(LOCK_PATH, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(_lock_fd, fcntl.LOCK_EX)
     destroy_hosts(n, release=False)  # leftovers of an interrupted run
-    _ip("link", "add", BRIDGE, "type", "bridge")
-    _ip("addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
-    _ip("link", "set", BRIDGE, "up")
     hosts = [TestHost(f"h{i + 1}", i, state_dir) for i in range(n)]
-    for host in hosts:
-        host.create()
+    try:
+        _ip("link", "add", BRIDGE, "type", "bridge")
+        _ip("addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
+        _ip("link", "set", BRIDGE, "up")
+        for host in hosts:
+            host.create()
+    except BaseException:
+        # The fixture never reaches its teardown: a lock kept here would stall every later test.
+        for host in hosts:
+            host.destroy()
+        destroy_hosts(n)
+        raise
     return hosts
 
 

@@ -3,6 +3,7 @@ host's veth, CURVE on every control socket, faults made with `ip link`, `tc` (a 
 nftables (packet loss, connection resets), the kernel's packet queue (delay and reordering: this
 kernel has no netem), and a host that loses every process at once."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from kvcr.proto import messages as m
 from kvcr.demo.procs import Child, stop_all
 from tests.cluster import SMALL_MODEL, http, router
 from tests.conftest import ROOT, RunnerProcess, wait_until
+from tests import netns
 from tests.netns import destroy_hosts, make_hosts, unavailable
 from tests.pages import pages_for
 
@@ -434,3 +436,35 @@ def test_ucx_listens_only_on_the_cluster_interface_it_is_pinned_to(hosts, tmp_pa
     finally:
         proc.stop(timeout_s=10)
 
+
+
+def hosts_lock_is_free() -> bool:
+    fd = os.open(netns.LOCK_PATH, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # a lock taken here goes with the descriptor
+
+
+def test_hosts_are_made_over_the_leftovers_of_a_host_whose_namespace_outlived_it(tmp_path):
+    """A namespace kept alive after its host went (a socket of a killed process still closing)
+    keeps its veth pair: the bridge's end, under the name the next host needs, must not stop it."""
+    subprocess.run(["ip", "link", "add", "kv1h", "type", "veth", "peer", "name", "kv1b"], check=True)
+    made = make_hosts(3, tmp_path)
+    try:
+        assert made[1].sh("cat /sys/class/net/eth0/operstate").strip() in ("up", "unknown")
+    finally:
+        destroy_hosts(3)
+    assert hosts_lock_is_free()
+
+
+def test_hosts_that_cannot_be_made_leave_nothing_held(tmp_path):
+    """The fixture never reaches its teardown when making the hosts fails: the lock and the links
+    must go with the failure, or every later test waits on them."""
+    with pytest.raises(OSError):
+        make_hosts(3, tmp_path / "missing")  # a host's boot id cannot be written there
+    assert hosts_lock_is_free()
+    assert "kvcrbr0" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
