@@ -30,7 +30,7 @@ from kvcr.proto.announce import announce_request  # noqa: E402
 from kvcr.proto.disk_index import DiskIndex  # noqa: E402
 from kvcr.proto.events import BlockStored  # noqa: E402
 from kvcr.proto.keys import Namespace, request_page_hashes  # noqa: E402
-from kvcr.runner import Runner  # noqa: E402
+from kvcr.runner import Store, open_store  # noqa: E402
 
 PAGE = 64 << 10
 BLOCK = 16
@@ -47,15 +47,16 @@ def requests(n: int, seed: int) -> list[tuple[list[str], list, list[bytes]]]:
     return out
 
 
-def make_runner(root: Path | None, dram_pages: int, policy: str = "write_behind") -> Runner:
+def make_store(root: Path | None, dram_pages: int, policy: str = "write_behind") -> Store:
     overrides = {"runner.name": "bench", "runner.block_size": BLOCK, "dram.size": dram_pages * PAGE,
                  "dram.pools": [{"name": "kv", "page_bytes": PAGE}]}
     if root is not None:
         overrides |= {"nvme.storage_dir": str(root), "nvme.write_policy": policy}
-    return Runner(load_config(None, overrides))
+    return open_store(load_config(None, overrides))
 
 
-def store_all(runner: Runner, reqs) -> float:
+def store_all(store: Store, reqs) -> float:
+    runner = store.runner
     t0 = time.perf_counter()
     for hexes, ann, data in reqs:
         runner.put("kv", runner.keys("kv", hexes), data, ann)
@@ -65,8 +66,8 @@ def store_all(runner: Runner, reqs) -> float:
 class Sampler:
     """Dirty pages and write-behind lag, sampled while a run goes; the lag when fills first waited."""
 
-    def __init__(self, runner: Runner) -> None:
-        self.runner, self.max_dirty, self.lag_at_wait = runner, 0, None
+    def __init__(self, store: Store) -> None:
+        self.runner, self.lower, self.max_dirty, self.lag_at_wait = store.runner, store.lower, 0, None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -75,7 +76,7 @@ class Sampler:
         pool = self.runner.pools["kv"]
         while not self._stop.wait(0.002):
             with self.runner.lock:
-                dirty, since, waits = pool.num_dirty, pool.oldest_dirty_since(), self.runner.nvme.num_fill_waits
+                dirty, since, waits = pool.num_dirty, pool.oldest_dirty_since(), self.lower.num_fill_waits
                 now = self.runner.clock()
             self.max_dirty = max(self.max_dirty, dirty)
             if waits and self.lag_at_wait is None:
@@ -91,18 +92,18 @@ def store_rate_case(root: Path, dram_pages: int, num_requests: int, repeats: int
     for i in range(repeats):
         reqs = requests(num_requests, seed=i)
         nbytes = num_requests * PER_REQUEST * PAGE
-        runner = make_runner(None, dram_pages)
-        off.append(nbytes / store_all(runner, reqs) / 1e9)
-        runner.shutdown()
-        runner = make_runner(root / f"rate{i}", dram_pages)
-        sampler = Sampler(runner)
-        on.append(nbytes / store_all(runner, reqs) / 1e9)
+        store = make_store(None, dram_pages)
+        off.append(nbytes / store_all(store, reqs) / 1e9)
+        store.shutdown()
+        store = make_store(root / f"rate{i}", dram_pages)
+        sampler = Sampler(store)
+        on.append(nbytes / store_all(store, reqs) / 1e9)
         sampler.stop()
-        with runner.lock:
-            waits, waited = runner.nvme.num_fill_waits, runner.nvme.fill_wait_s
-            dropped = sum(runner.pools["kv"].dropped.values())
+        with store.runner.lock:
+            waits, waited = store.lower.num_fill_waits, store.lower.fill_wait_s
+            dropped = sum(store.runner.pools["kv"].dropped.values())
         lag_rows.append((sampler.max_dirty, sampler.lag_at_wait, waits, waited, dropped))
-        runner.shutdown()
+        store.shutdown()
         shutil.rmtree(root / f"rate{i}")
         print(f"\r  store rate: repeat {i + 1}/{repeats}", end="", flush=True)
     print()
@@ -120,17 +121,18 @@ def retention_case(root: Path, dram_pages: int, factor: int) -> str:
     stored = num_requests * PER_REQUEST
     cells = []
     for policy in ("write_behind", "spill", None):
-        runner = make_runner(root / f"keep{factor}{policy}" if policy else None, dram_pages, policy or "write_behind")
-        store_all(runner, reqs)
+        store = make_store(root / f"keep{factor}{policy}" if policy else None, dram_pages, policy or "write_behind")
+        runner = store.runner
+        store_all(store, reqs)
         if policy:
-            runner.nvme.persister.flush(30)
+            store.lower.persister.flush(30)
         with runner.lock:
             keys = [k for hexes, _, _ in reqs for k in runner.keys("kv", hexes)]
-            pool, disk = runner.pools["kv"], runner.nvme.disks.get("kv")
+            pool, disk = runner.pools["kv"], store.lower.disks.get("kv") if policy else None
             kept = sum(pool.get(k) is not None or (disk is not None and disk.name(k.page_hex) in disk.index) for k in keys)
             dropped = sum(pool.dropped.values())
         cells.append(f"{kept / stored * 100:.1f} % ({dropped} dropped)")
-        runner.shutdown()
+        store.shutdown()
         if policy:
             shutil.rmtree(root / f"keep{factor}{policy}")
     print(f"  burst {factor}x DRAM: {cells}")

@@ -123,7 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_driver(args: argparse.Namespace) -> int:
-    from .demo.driver import run_process
+    from .demo.driver_process import run_process
 
     return run_process(args)
 
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("demo-driver", help="the demo's workload driver (kvcr demo starts it)")
-    from .demo.driver import add_arguments as driver_arguments
+    from .demo.driver_process import add_arguments as driver_arguments
 
     driver_arguments(p)
     p.set_defaults(func=cmd_demo_driver)

@@ -20,7 +20,7 @@ from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from .pulls import PeerPulls
-from .runner import Runner
+from .runner import open_store
 
 if TYPE_CHECKING:
     from .drivers.puller import Puller
@@ -40,7 +40,8 @@ class Service:
                                         topic=ev.topic, dp_rank=cfg.runner.dp_rank, buffer_steps=ev.buffer_steps,
                                         queue_size=ev.queue_size, seq=SeqSource(cfg.runner.state_dir),
                                         heartbeat_s=ev.heartbeat_s, gate=self.gate if cfg.events_curve else None)
-        self.runner = Runner(cfg, publish=self.publisher.publish)
+        self.store = open_store(cfg, publish=self.publisher.publish)
+        self.runner = self.store.runner
         self.plane: UcxPlane | None = None
         puller = None
         if cfg.runner.ucx:
@@ -49,7 +50,8 @@ class Service:
             self.plane = UcxPlane(lanes=cfg.runner.pull_lanes, interface=cfg.runner.ucx_interface)
             puller = self._puller(self.plane)
         self.pulls = PeerPulls(self.runner, puller)
-        self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane,
+        self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane, lower=self.store.lower,
+                                     shards=self.store.shards,
                                      endpoint=cfg.runner.control_endpoint, info=self.info,
                                      snapshot=self.snapshot, gate=self.gate, public_info=self.public_info,
                                      tcp_serves_region=cfg.secured or cfg.runner.insecure,
@@ -80,7 +82,7 @@ class Service:
     def _housekeeping(self) -> None:
         while not self.stopped.wait(0.05):
             try:
-                self.runner.housekeeping()
+                self.store.housekeeping()
                 self.pulls.housekeeping()
             except Exception:  # a failed pass is logged and retried; it must not stop leases expiring
                 log.exception("housekeeping pass failed")
@@ -92,7 +94,7 @@ class Service:
                                        ranges=[(lay.offset, lay.stride * lay.num_slots, lay.stride)
                                                for lay in self.runner.layouts.values()])
         self.runner.announce_start()
-        self.runner.nvme.start_scans()
+        self.store.start_scans()
         self._housekeeper.start()
         if self.relay is not None:
             self.relay.start()
@@ -114,7 +116,7 @@ class Service:
         problems = [p.health() for p in parts]
         if not self._housekeeper.is_alive() and not self.stopped.is_set():
             problems.append("housekeeping thread is gone")
-        if not self.runner.nvme.healthy() and not self.stopped.is_set():
+        if not self.store.healthy() and not self.stopped.is_set():
             problems.append("NVMe persister thread is gone")
         return [p for p in problems if p]
 
@@ -157,13 +159,13 @@ class Service:
         self.control.stop()
         if self.relay is not None:
             self.relay.stop()
-        if self.runner.nvme.disks:  # nothing commits now; /metrics shows the flush while it runs
-            self.runner.nvme.flush()
+        if self.store.lower.pools:  # nothing commits now; /metrics shows the flush while it runs
+            self.store.flush()
         self.http.stop()
         self.pulls.close()
         if self.plane is not None:
             self.plane.close()
-        self.runner.shutdown()  # publishes the removals before the publisher drains and closes
+        self.store.shutdown()  # publishes the removals before the publisher drains and closes
         self.publisher.stop()
         if self.gate is not None:
             self.gate.stop()

@@ -19,7 +19,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from kvcr.demo.main import Demo, DemoUnavailable, _say
+from kvcr.demo.base import Demo, DemoUnavailable, _say
 from kvcr.demo.sglang_driver import metric, runner_metrics
 from kvcr.drivers.ucx_env import SINGLE_HOST_UCX_ENV
 

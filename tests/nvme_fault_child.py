@@ -104,13 +104,14 @@ def burst_runner(root):
     from kvcr.config import load_config
     from kvcr.proto.announce import announce_request
     from kvcr.proto.keys import request_page_hashes
-    from kvcr.runner import Runner
+    from kvcr.runner import open_store
 
     cfg = load_config(None, {"runner.name": "fault", "runner.block_size": 4, "dram.size": 32 * PAGE,
                              "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "nvme.storage_dir": root,
                              "nvme.dirty_wait_s": 0.2})
     events = []
-    runner = Runner(cfg, publish=events.extend)
+    store = open_store(cfg, publish=events.extend)
+    runner = store.runner
     requests = []
 
     def put(seed):
@@ -121,14 +122,14 @@ def burst_runner(root):
         runner.put("kv", runner.keys("kv", hexes), data, ann)
         requests.append((hexes, data))
 
-    return runner, put, requests, events
+    return store, put, requests, events
 
 
-def announced_pages_intact(runner, requests):
+def announced_pages_intact(store, requests):
     """Every page NVMe announces has a whole file with the bytes that were stored."""
-    disk = runner.nvme.disks["kv"]
+    disk = store.lower.disks["kv"]
     stored = {h: d for hexes, data in requests for h, d in zip(hexes, data)}
-    with runner.lock:
+    with store.runner.lock:
         names = [e.name for e in disk.index.entries()]
     for name in names:
         buf = bytearray(PAGE)
@@ -138,33 +139,34 @@ def announced_pages_intact(runner, requests):
 
 
 def burst_enospc(root):
-    runner, put, requests, _ = burst_runner(root)
+    store, put, requests, _ = burst_runner(root)
     for seed in range(4):  # 64 pages (4 MiB) behind 32 DRAM slots, into a 1 MiB tmpfs
         put(seed)
-    runner.nvme.persister.flush(10)
-    disk, pool = runner.nvme.disks["kv"], runner.pools["kv"]
+    store.lower.persister.flush(10)
+    disk, pool = store.lower.disks["kv"], store.runner.pools["kv"]
     result = {"errors": dict(disk.errors), "dropped": dict(pool.dropped), "ready": pool.statistics().num_ready,
-              "on_disk": disk.index.statistics().num_pages, "intact": announced_pages_intact(runner, requests),
+              "on_disk": disk.index.statistics().num_pages, "intact": announced_pages_intact(store, requests),
               "tmp_left": [n for n in os.listdir(disk.dir) if n.endswith(".tmp")]}
-    runner.shutdown()
+    store.shutdown()
     return result
 
 
 def burst_erofs(root):
-    runner, put, requests, _ = burst_runner(root)
+    store, put, requests, _ = burst_runner(root)
+    runner = store.runner
     put(0)
-    runner.nvme.persister.flush(10)
-    before = runner.nvme.disks["kv"].index.statistics().num_pages
+    store.lower.persister.flush(10)
+    before = store.lower.disks["kv"].index.statistics().num_pages
     subprocess.run(["mount", "-o", "remount,ro", root], check=True)
     for seed in range(1, 4):
         put(seed)
-    runner.nvme.persister.flush(10)
-    pool, disk = runner.pools["kv"], runner.nvme.disks["kv"]
+    store.lower.persister.flush(10)
+    pool, disk = runner.pools["kv"], store.lower.disks["kv"]
     first = requests[0]
     result = {"before": before, "errors": dict(disk.errors), "dropped": dict(pool.dropped),
               "first_request_back": runner.get("kv", runner.keys("kv", first[0])) == first[1],
-              "intact": announced_pages_intact(runner, requests)}
-    runner.shutdown()
+              "intact": announced_pages_intact(store, requests)}
+    store.shutdown()
     return result
 
 

@@ -11,7 +11,7 @@ from kvcr.config import load_config
 from kvcr.drivers.nvme import FORMAT_VERSION, DiskError, hicache_suffix
 from kvcr.proto.events import BlockRemoved, BlockStored
 from kvcr.proto.keys import Namespace
-from kvcr.runner import Runner
+from kvcr.runner import open_store
 from tests.conftest import wait_until
 from tests.nvme_tier import BLOCK, NS, PAGE, Tier, chain
 
@@ -170,12 +170,12 @@ def test_eight_writers_in_two_processes_leave_one_whole_page_and_one_announcemen
 def test_keys_that_are_not_page_hashes_never_reach_the_filesystem(tmp_path):
     cfg = load_config(None, {"runner.name": "esc", "dram.size": "1Mi", "nvme.storage_dir": str(tmp_path),
                              "dram.pools": [{"name": "kv", "page_bytes": PAGE}]})
-    runner = Runner(cfg)
+    store = open_store(cfg)
     try:
         with pytest.raises(ValueError, match="64 lowercase hex"):
-            runner.key("kv", "../" * 20 + "etc/passwd")
+            store.runner.key("kv", "../" * 20 + "etc/passwd")
     finally:
-        runner.shutdown()
+        store.shutdown()
 
 
 # --- the tier inside a runner: spill and promotion ---------------------------------------------------
@@ -187,17 +187,18 @@ def nvme_runner(tmp_path, request):
                              "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "dram.high_watermark": 0.75,
                              "dram.low_watermark": 0.5, "nvme.storage_dir": str(tmp_path),
                              "nvme.write_policy": request.param})
-    runner = Runner(cfg, publish=events.extend)
-    yield runner, events
-    runner.shutdown()
+    store = open_store(cfg, publish=events.extend)
+    yield store, events
+    store.shutdown()
 
 
 def test_dram_evicts_only_pages_nvme_holds_and_a_hit_is_promoted_back(nvme_runner):
-    runner, events = nvme_runner
+    store, events = nvme_runner
+    runner = store.runner
     hexes, ann, data = chain(8)
     keys = [runner.key("kv", h) for h in hexes]
     runner.put("kv", keys[:7], data[:7], ann[:7])
-    pool, disk = runner.pools["kv"], runner.nvme.disks["kv"]
+    pool, disk = runner.pools["kv"], store.lower.disks["kv"]
     # 7 used > 6 (high): down to 4 (low) once written. Spill writes the 3 tails with their ancestors.
     wait_until(lambda: pool.statistics().num_ready == 4, 10, 0.01, "DRAM down to its low watermark")
     assert disk.present(hexes) == 7 and pool.leading_ready(keys) == 4 and not pool.dropped
@@ -206,14 +207,15 @@ def test_dram_evicts_only_pages_nvme_holds_and_a_hit_is_promoted_back(nvme_runne
     assert runner.get("kv", keys[:7]) == data[:7]  # DRAM run, then promoted NVMe run
     stats = runner.statistics().nvme
     assert stats.promoted == 3 and stats.spilled == 7
-    assert runner.nvme.persister.flush(5) == (0, 0)  # promoted pages are clean: nothing to write again
+    assert store.lower.persister.flush(5) == (0, 0)  # promoted pages are clean: nothing to write again
 
 
 def test_promotion_refuses_a_corrupt_nvme_page(nvme_runner):
-    runner, _ = nvme_runner
+    store, _ = nvme_runner
+    runner = store.runner
     hexes, ann, data = chain(2, seed=5)
     keys = [runner.key("kv", h) for h in hexes]
-    disk = runner.nvme.disks["kv"]
+    disk = store.lower.disks["kv"]
     disk.write(hexes, [memoryview(d) for d in data], ann)
     path = disk.path(disk.name(hexes[1]))
     raw = bytearray(path.read_bytes())
@@ -253,12 +255,13 @@ def test_shutdown_writes_the_pages_spill_had_not_written_yet(tmp_path):
     cfg = load_config(None, {"runner.name": "nv", "runner.block_size": BLOCK, "dram.size": 8 * PAGE,
                              "dram.pools": [{"name": "kv", "page_bytes": PAGE}], "nvme.storage_dir": str(tmp_path),
                              "nvme.write_policy": "spill"})
-    runner = Runner(cfg)
+    store = open_store(cfg)
+    runner = store.runner
     hexes, ann, data = chain(4, seed=9)
     runner.put("kv", runner.keys("kv", hexes), data, ann)
-    assert runner.pools["kv"].num_dirty == 4 and runner.nvme.disks["kv"].index.statistics().num_pages == 0
-    runner.shutdown()
-    assert runner.nvme.shutdown_flush[1:] == (4, 0)
+    assert runner.pools["kv"].num_dirty == 4 and store.lower.disks["kv"].index.statistics().num_pages == 0
+    store.shutdown()
+    assert store.lower.shutdown_flush[1:] == (4, 0)
     t = Tier(tmp_path, ns=runner.layouts["kv"].namespace)
     t.tier.scan()
     assert t.read(hexes) == data

@@ -10,7 +10,7 @@ from kvcr.proto.announce import announce_request
 from kvcr.proto.events import BlockStored
 from kvcr.proto.keys import page_hashes
 from kvcr.proto.shards import ShardError
-from kvcr.runner import Runner
+from kvcr.runner import open_store
 
 SHARD = 4096
 
@@ -22,9 +22,9 @@ def sidecar(tmp_path):
     cfg = load_config(None, {"runner.name": "sidecar-test", "runner.state_dir": str(tmp_path), "dram.size": "1Mi",
                              "runner.lease_seconds": 5.0,
                              "dram.pools": [{"name": "kv", "page_bytes": 2 * SHARD, "shards": 2}]})
-    runner = Runner(cfg, publish=events.extend, clock=lambda: clock[0])
-    yield runner, clock, events
-    runner.shutdown()
+    store = open_store(cfg, publish=events.extend, clock=lambda: clock[0])
+    yield store, clock, events
+    store.shutdown()
 
 
 def keys_and_announces(n: int, seed: int):
@@ -32,8 +32,9 @@ def keys_and_announces(n: int, seed: int):
     return page_hashes(tokens, 16), announce_request(tokens, 16)
 
 
-def write_shard(runner, keys, shard, announces=None, byte=0):
-    fill, shard_offset = runner.shards.reserve("kv", [runner.key("kv", k) for k in keys], shard, announces)
+def write_shard(store, keys, shard, announces=None, byte=0):
+    runner = store.runner
+    fill, shard_offset = store.shards.reserve("kv", [runner.key("kv", k) for k in keys], shard, announces)
     for page in fill.pages:
         start = runner.offset("kv", page.slot) + shard_offset
         runner.view[start:start + SHARD] = bytes([byte]) * SHARD
@@ -41,14 +42,15 @@ def write_shard(runner, keys, shard, announces=None, byte=0):
 
 
 def test_a_page_appears_and_is_announced_only_once_every_shard_is_in(sidecar):
-    runner, _, events = sidecar
+    store, _, events = sidecar
+    runner = store.runner
     keys, ann = keys_and_announces(3, seed=1)
     rkeys = [runner.key("kv", k) for k in keys]
-    fill_id = write_shard(runner, keys, 0, ann, byte=1)
-    assert runner.shards.commit(fill_id, 0, True) is None and runner.lookup("kv", rkeys) == 0
+    fill_id = write_shard(store, keys, 0, ann, byte=1)
+    assert store.shards.commit(fill_id, 0, True) is None and runner.lookup("kv", rkeys) == 0
     assert not [e for e in events if isinstance(e, BlockStored)]
-    assert write_shard(runner, keys, 1, byte=2) == fill_id  # the second rank joins the same fill
-    assert runner.shards.commit(fill_id, 1, True) is True
+    assert write_shard(store, keys, 1, byte=2) == fill_id  # the second rank joins the same fill
+    assert store.shards.commit(fill_id, 1, True) is True
     assert runner.lookup("kv", rkeys) == 3
     page = runner.get("kv", rkeys[:1])[0]
     assert page == bytes([1]) * SHARD + bytes([2]) * SHARD
@@ -58,34 +60,36 @@ def test_a_page_appears_and_is_announced_only_once_every_shard_is_in(sidecar):
 
 @pytest.mark.parametrize("how", ["a shard fails", "a rank never commits"])
 def test_a_missing_shard_discards_the_whole_page(sidecar, how):
-    runner, clock, _ = sidecar
+    store, clock, _ = sidecar
+    runner = store.runner
     keys, _ = keys_and_announces(2, seed=50)
     rkeys = [runner.key("kv", k) for k in keys]
-    fill_id = write_shard(runner, keys, 0)
-    runner.shards.commit(fill_id, 0, True)
-    write_shard(runner, keys, 1)
+    fill_id = write_shard(store, keys, 0)
+    store.shards.commit(fill_id, 0, True)
+    write_shard(store, keys, 1)
     if how == "a shard fails":
-        assert runner.shards.commit(fill_id, 1, False) is False
+        assert store.shards.commit(fill_id, 1, False) is False
     else:
         clock[0] += 6.0  # past the fill's lease
-        runner.expire()
-    assert runner.lookup("kv", rkeys) == 0 and len(runner.shards) == 0
+        store.housekeeping()
+    assert runner.lookup("kv", rkeys) == 0 and len(store.shards) == 0
     assert runner.claims.statistics().num_fills == 0
     assert runner.pools["kv"].statistics().num_free == runner.pools["kv"].capacity
 
 
 @pytest.mark.parametrize("shard, problem", [(2, "outside 0..1"), (0, "already writes")])
 def test_a_shard_out_of_range_or_twice_is_refused(sidecar, shard, problem):
-    runner, _, _ = sidecar
+    store, _, _ = sidecar
     keys, _ = keys_and_announces(1, seed=90)
-    write_shard(runner, keys, 0)
+    write_shard(store, keys, 0)
     with pytest.raises(ShardError, match=problem):
-        write_shard(runner, keys, shard)
+        write_shard(store, keys, shard)
 
 
 def test_ranks_reserving_one_batch_at_once_join_a_single_fill(sidecar):
     """Every rank races for the same batch many times: exactly one fill is opened per batch."""
-    runner, _, _ = sidecar
+    store, _, _ = sidecar
+    runner = store.runner
     barrier = threading.Barrier(2)
     for seed in range(100, 140):
         keys, _ = keys_and_announces(2, seed=seed * 8)
@@ -93,7 +97,7 @@ def test_ranks_reserving_one_batch_at_once_join_a_single_fill(sidecar):
 
         def rank(shard):
             barrier.wait()
-            got[shard] = write_shard(runner, keys, shard, byte=shard + 1)
+            got[shard] = write_shard(store, keys, shard, byte=shard + 1)
 
         threads = [threading.Thread(target=rank, args=(s,)) for s in (0, 1)]
         for t in threads:
@@ -101,7 +105,7 @@ def test_ranks_reserving_one_batch_at_once_join_a_single_fill(sidecar):
         for t in threads:
             t.join(10)
         assert got[0] == got[1] is not None
-        assert runner.shards.commit(got[0], 0, True) is None and runner.shards.commit(got[0], 1, True) is True
+        assert store.shards.commit(got[0], 0, True) is None and store.shards.commit(got[0], 1, True) is True
         rkeys = [runner.key("kv", k) for k in keys]
         assert runner.get("kv", rkeys[:1])[0] == bytes([1]) * SHARD + bytes([2]) * SHARD
-    assert len(runner.shards) == 0 and runner.claims.statistics().num_fills == 0
+    assert len(store.shards) == 0 and runner.claims.statistics().num_fills == 0

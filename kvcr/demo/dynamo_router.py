@@ -7,7 +7,7 @@ registers it with file discovery under the demo's temp directory)."""
 from __future__ import annotations
 
 from ..dynamo.local import Frontend, await_registration, dynamo_env, file_discovery, poll
-from .main import Demo, _say
+from .base import Demo, _say
 from .procs import Child, worker_command
 
 

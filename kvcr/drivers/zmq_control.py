@@ -28,7 +28,9 @@ from .wakeup import Waker
 if TYPE_CHECKING:
     from ..pulls import PeerPulls
     from .zmq_curve import CurveGate
-    from ..runner import Runner
+    from ..runner.dram import Runner
+    from ..runner.lower import LowerTier
+    from ..runner.shards import ShardAssembly
     from .ucx_plane import UcxPlane
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,8 @@ def _check_lease(lease_s: float) -> None:
 
 
 class ControlServer:
-    def __init__(self, ctx: zmq.Context, runner: Runner, pulls: PeerPulls, plane: UcxPlane | None, *, endpoint: str,
+    def __init__(self, ctx: zmq.Context, runner: Runner, pulls: PeerPulls, plane: UcxPlane | None, *,
+                 lower: LowerTier, shards: ShardAssembly, endpoint: str,
                  info: Callable[[], dict], snapshot: Callable[[], tuple[int, list]],
                  gate: CurveGate | None = None, local_path: str = "", public_info: Callable[[], dict] | None = None,
                  tcp_serves_region: bool | None = None) -> None:
@@ -70,6 +73,8 @@ class ControlServer:
         self.local_path = ""  # where same-host peers connect, once listening ("" when not)
         self._ctx = ctx
         self.runner = runner
+        self.lower = lower
+        self.shards = shards
         self.pulls = pulls
         self.plane = plane
         self._endpoint = endpoint
@@ -242,7 +247,7 @@ class ControlServer:
                     raise m.ProtocolError(refusal, code="unauthenticated")
                 if isinstance(msg, m.InfoRequest):
                     handler = self._on_public_info
-            lane = lane_for(msg, self.runner.nvme.disks)
+            lane = lane_for(msg, self.lower.pools)
             if lane is not Lane.INLINE:
                 pool = self._slow if lane is Lane.SLOW else self._serving
                 pool.submit(self._answer_later, reply, owner, request_id, handler, msg)
@@ -313,9 +318,9 @@ class ControlServer:
         return m.Pulled(num_local=num_local)
 
     def _on_persist(self, msg: m.Persist, owner: str) -> m.Message:
-        if msg.pool not in self.runner.nvme.disks:
+        if msg.pool not in self.lower.pools:
             raise m.ProtocolError("this runner has no NVMe tier (nvme.storage_dir is not set)", code="no_nvme")
-        return m.Persisted(num_persisted=self.runner.nvme.persist(msg.pool, self._keys(msg.pool, msg.keys)))
+        return m.Persisted(num_persisted=self.lower.persist(msg.pool, self._keys(msg.pool, msg.keys)))
 
     def _on_reserve(self, msg: m.Reserve, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
@@ -333,13 +338,13 @@ class ControlServer:
         announces = [Announce.from_wire(a) if a is not None else None for a in msg.announces] or None
         if announces is not None and len(announces) != len(msg.keys):
             raise m.ProtocolError(f"reserve_shard has {len(msg.keys)} keys but {len(announces)} announces")
-        fill, shard_offset = self.runner.shards.reserve(msg.pool, self._keys(msg.pool, msg.keys),
-                                                       msg.shard, announces, lease_s=msg.lease_s or None)
+        fill, shard_offset = self.shards.reserve(msg.pool, self._keys(msg.pool, msg.keys), msg.shard, announces,
+                                                 lease_s=msg.lease_s or None)
         return m.ShardReserved(fill_id=fill.fill_id, offsets=self._offsets(msg.pool, fill.pages),
                                shard_offset=shard_offset)
 
     def _on_commit_shard(self, msg: m.CommitShard, owner: str) -> m.Message:
-        verdict = self.runner.shards.commit(msg.fill_id, msg.shard, bool(msg.ok))
+        verdict = self.shards.commit(msg.fill_id, msg.shard, bool(msg.ok))
         return m.ShardCommitted(verdict="waiting" if verdict is None else "committed" if verdict else "discarded")
 
     def _offsets(self, pool: str, pages: list) -> list[int]:

@@ -9,22 +9,30 @@ rank committing its shard never waits behind another rank's reserve.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
-from .proto.announce import Announce
-from .proto.claims import Fill
-from .proto.keys import StorageKey
-from .proto.shards import ShardGroups, check_shard
-
-if TYPE_CHECKING:
-    from .runner import Runner
+from ..proto.announce import Announce
+from ..proto.claims import Fill
+from ..proto.keys import StorageKey
+from ..proto.shards import ShardGroups, check_shard
 
 SHARD_OWNER = "shards"  # owns the fills TP ranks assemble together
 
 
+class Fills(Protocol):
+    """What shard assembly asks of the DRAM core: its fills, and each pool's page geometry."""
+
+    def page_geometry(self, pool: str) -> tuple[int, int]: ...  # (page bytes, shards per page)
+    def reserve(self, pool: str, keys: Sequence[StorageKey], announces: Sequence[Announce | None] | None = None, *,
+                owner: str = "local", lease_s: float | None = None, writer_pid: int = 0) -> Fill: ...
+    def fill(self, fill_id: int) -> Fill: ...
+    def commit(self, fill_id: int, ok: Sequence[bool] | None = None, *, owner: str = "local",
+               clean: bool = False) -> int: ...
+
+
 class ShardAssembly:
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
+    def __init__(self, fills: Fills) -> None:
+        self.fills = fills
         self._groups = ShardGroups()
         self._fills: dict[int, Fill] = {}
         self._opening = threading.Lock()
@@ -35,8 +43,8 @@ class ShardAssembly:
                 ) -> tuple[Fill, int]:
         """Join (or open) the fill assembling exactly `keys`; returns it and the byte offset of
         `shard` inside each page. The first rank's announces are the page's."""
-        layout = self.runner.layouts[self.runner.pool(pool).name]
-        check_shard(shard, layout.shards)  # before a group is opened for it
+        page_bytes, shards = self.fills.page_geometry(pool)
+        check_shard(shard, shards)  # before a group is opened for it
         batch = tuple(keys)
         with self._lock:
             fill = self._join(pool, batch, shard)
@@ -45,12 +53,12 @@ class ShardAssembly:
                 with self._lock:  # opened while this rank waited for `_opening`?
                     fill = self._join(pool, batch, shard)
                 if fill is None:
-                    fill = self.runner.reserve(pool, keys, announces, owner=SHARD_OWNER, lease_s=lease_s)
+                    fill = self.fills.reserve(pool, keys, announces, owner=SHARD_OWNER, lease_s=lease_s)
                     with self._lock:
-                        self._groups.join(self._groups.open(pool, batch, fill.fill_id, layout.shards), shard)
+                        self._groups.join(self._groups.open(pool, batch, fill.fill_id, shards), shard)
                         self._fills[fill.fill_id] = fill
-        self.runner.fill(fill.fill_id)  # a group whose fill just expired: raises, naming why
-        return fill, shard * (layout.page_bytes // layout.shards)
+        self.fills.fill(fill.fill_id)  # a group whose fill just expired: raises, naming why
+        return fill, shard * (page_bytes // shards)
 
     def _join(self, pool: str, batch: tuple[StorageKey, ...], shard: int) -> Fill | None:
         group = self._groups.find(pool, batch)
@@ -66,7 +74,7 @@ class ShardAssembly:
             _, verdict = self._groups.commit(fill_id, shard, ok)
             fill = self._fills.pop(fill_id) if verdict is not None else None
         if fill is not None:
-            self.runner.commit(fill_id, None if verdict else [False] * len(fill.pages), owner=SHARD_OWNER)
+            self.fills.commit(fill_id, None if verdict else [False] * len(fill.pages), owner=SHARD_OWNER)
         return verdict
 
     def forget(self, fill_ids: Iterable[int]) -> None:

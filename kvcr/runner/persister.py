@@ -2,7 +2,7 @@
 
 `write_behind` writes every committed page, oldest first, as soon as it gets to it; `spill`
 writes only the pages eviction wants next (DRAM above its high watermark, or a fill waiting).
-Which page is DIRTY or CLEAN is PagePool's state; NvmeTiering (kvcr/tiering.py) owns the tier and
+Which page is DIRTY or CLEAN is PagePool's state; NvmeTier (nvme_tier.py) owns the tier and
 decides; this thread only moves bytes between DRAM and NVMe. Design notes: docs/nvme.md.
 """
 
@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Mapping
 
-from .drivers.nvme import Written
-from .proto.pool import Keep
-
-if TYPE_CHECKING:
-    from .tiering import NvmeTiering
+from ..drivers.nvme import DiskTier, Written
+from ..proto.pool import Keep
+from .lower import DramSide
 
 log = logging.getLogger(__name__)
 SPILL = "spill"  # nvme.write_policy values are validated in kvcr/config.py
@@ -26,8 +24,12 @@ _KEEP = {Written.WRITTEN: Keep.CLEAN, Written.PRESENT: Keep.CLEAN, Written.FULL:
 
 
 class Persister:
-    def __init__(self, tiering: NvmeTiering, *, policy: str, batch: int) -> None:
-        self.tiering = tiering
+    def __init__(self, dram: DramSide, disks: Mapping[str, DiskTier], *, spill_demand: Callable[[str], int],
+                 settled: Callable[[], None], policy: str, batch: int) -> None:
+        self.dram = dram
+        self.disks = disks
+        self._spill_demand = spill_demand  # the tier's: what eviction wants written next (under the lock)
+        self._settled = settled            # the tier's: a batch settled, waiting fills may find room
         self.policy = policy
         self.batch = batch
         self.wake = threading.Event()
@@ -58,16 +60,15 @@ class Persister:
 
     def write_once(self) -> int:
         """One batch per pool that has work; returns pages handled."""
-        return sum(self._write_pool(name) for name in self.tiering.disks)
+        return sum(self._write_pool(name) for name in self.disks)
 
     def _write_pool(self, name: str) -> int:
-        tiering, disk = self.tiering, self.tiering.disks[name]
-        runner = tiering.runner
-        pool = runner.pool(name)
+        dram, disk = self.dram, self.disks[name]
+        pool = dram.pool(name)
         batch = min(self.batch, max(1, pool.capacity // 4))  # never pin most of DRAM at once
-        with runner.lock:
+        with dram.lock:
             if self.policy == SPILL and not self._flushing:
-                pages = pool.take_dirty(min(batch, tiering.spill_demand(name)), lru=True)
+                pages = pool.take_dirty(min(batch, self._spill_demand(name)), lru=True)
             else:
                 pages = pool.take_dirty(batch)
             if not pages:
@@ -77,17 +78,17 @@ class Persister:
         outcomes: dict[int, Written] = {}
         try:
             if todo:
-                written = disk.write_pages([p.key.page_hex for p in todo], [runner.slot_view(name, p) for p in todo],
+                written = disk.write_pages([p.key.page_hex for p in todo], [dram.slot_view(name, p) for p in todo],
                                            [p.announce for p in todo])
                 outcomes = {id(p): w for p, w in zip(todo, written)}
         finally:
             keeps = [Keep.CLEAN if here else _KEEP[outcomes.get(id(p), Written.FAILED)]
                      for p, here in zip(pages, present)]
-            with runner.lock:
+            with dram.lock:
                 pool.settle_written(pages, keeps)
                 self._count(len(pages) - len(todo), [outcomes.get(id(p), Written.FAILED) for p in todo])
-                tiering.settled()
-                runner.flush_events()
+                self._settled()
+                dram.flush_events()
         return len(pages)
 
     def _count(self, skipped: int, outcomes: list[Written]) -> None:
@@ -116,9 +117,8 @@ class Persister:
         return self.num_written - before, self._num_dirty()
 
     def _num_dirty(self) -> int:
-        runner = self.tiering.runner
-        with runner.lock:
-            return sum(runner.pool(n).num_dirty for n in self.tiering.disks)
+        with self.dram.lock:
+            return sum(self.dram.pool(n).num_dirty for n in self.disks)
 
     def stop(self) -> None:
         self._stop.set()

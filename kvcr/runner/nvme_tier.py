@@ -1,8 +1,9 @@
 """The NVMe tier behind DRAM: promotion, write-through, back-pressure on fills, the shutdown flush.
 
-Whether a DRAM page is DIRTY or CLEAN is PagePool state, so this owner works under the runner's
-DRAM lock (`runner.lock`, which the disk indexes share); it takes it explicitly, never holds it
-while moving bytes, and the persister thread does the writing. Design notes: docs/nvme.md.
+A `LowerTier` (lower.py). Whether a DRAM page is DIRTY or CLEAN is PagePool state, so this owner
+works under the DRAM side's lock (`dram.lock`, which the disk indexes share); it takes it
+explicitly, never holds it while moving bytes, and its persister thread (persister.py) does the
+writing. Design notes: docs/nvme.md.
 """
 
 from __future__ import annotations
@@ -12,74 +13,51 @@ import math
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from .config import Config
-from .drivers.nvme import DiskTier
-from .persist import Persister
-from .proto.disk_index import DiskIndex
-from .proto.events import Event
-from .proto.keys import StorageKey
-from .proto.pool import Keep, Page, PoolBusy, PoolError
-
-if TYPE_CHECKING:
-    from .runner import PoolLayout, Runner
+from ..config import NvmeConfig
+from ..drivers.nvme import DiskTier
+from ..proto.disk_index import DiskIndex, DiskStats
+from ..proto.events import Event
+from ..proto.keys import Namespace, StorageKey
+from ..proto.pool import Keep, Page, PoolBusy, PoolError
+from .lower import DiskStatistics, DramSide, TieringStatistics
+from .persister import Persister
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class DiskStatistics:
-    """What one pool's NVMe tier counts besides its index: files, errors, latencies."""
+class NvmeTier:
+    """The NVMe tier of every pool named in `pools` (pool name -> (namespace, page bytes))."""
 
-    foreign: int                                       # files in the namespace that are not pages
-    errors: tuple[tuple[str, int], ...]                # (errno name, count), sorted
-    read_latency: tuple[tuple[float, ...], tuple[int, ...], float]   # bounds, counts, total seconds
-    write_latency: tuple[tuple[float, ...], tuple[int, ...], float]
-
-
-@dataclass(frozen=True, slots=True)
-class TieringStatistics:
-    spilled: int       # DRAM pages written to NVMe (write-behind or spill)
-    skipped: int       # dirty pages already on NVMe: not rewritten
-    refused: tuple[tuple[str, int], ...]               # (reason, pages) NVMe did not take, sorted
-    promoted: int
-    fill_waits: int
-    fill_wait_s: float
-    shutdown_flush: tuple[float, int, int] | None      # seconds, pages written, pages left
-    disks: tuple[tuple[str, DiskStatistics], ...]      # per pool with an NVMe tier
-
-
-class NvmeTiering:
-    """The NVMe tier of every pool (none when nvme.storage_dir is unset: every call is then a no-op)."""
-
-    def __init__(self, runner: Runner, cfg: Config, layouts: Sequence[PoolLayout]) -> None:
-        self.runner = runner
-        self.cfg = cfg.nvme
-        self.block_size = cfg.runner.block_size
-        self.disks: dict[str, DiskTier] = {p.name: self._disk_tier(p) for p in layouts} if cfg.nvme.storage_dir else {}
-        self.written = threading.Condition(runner.lock)  # the persister settled a batch: room may exist
+    def __init__(self, dram: DramSide, cfg: NvmeConfig, pools: dict[str, tuple[Namespace, int]], *,
+                 block_size: int) -> None:
+        self.dram = dram
+        self.cfg = cfg
+        self.block_size = block_size
+        self.disks: dict[str, DiskTier] = {name: self._disk_tier(ns, page_bytes)
+                                           for name, (ns, page_bytes) in pools.items()}
+        self.pools = frozenset(self.disks)
+        self.written = threading.Condition(dram.lock)  # the persister settled a batch: room may exist
         self._fill_demand: Counter[str] = Counter()  # pages waiting fills need evicted (spill writes them)
         self.num_fill_waits = 0
         self.fill_wait_s = 0.0
         self.num_promoted = 0
         self.shutdown_flush: tuple[float, int, int] | None = None
-        self.persister = self._new_persister()
-        if self.disks:
-            self.persister.start()
+        self.persister = self._new_persister().start()
 
-    def _disk_tier(self, layout: PoolLayout) -> DiskTier:
+    def _disk_tier(self, namespace: Namespace, page_bytes: int) -> DiskTier:
         n = self.cfg
         index = DiskIndex(block_size=self.block_size, max_bytes=n.max_size, high_watermark=n.high_watermark,
                           low_watermark=n.low_watermark)
-        return DiskTier(n.storage_dir, layout.namespace, page_bytes=layout.page_bytes, index=index,
-                        lock=self.runner.lock, flush=self.runner.flush_events_locked, read_workers=n.read_workers,
+        return DiskTier(n.storage_dir, namespace, page_bytes=page_bytes, index=index,
+                        lock=self.dram.lock, flush=self.dram.flush_events_locked, read_workers=n.read_workers,
                         write_workers=n.write_workers, fsync=n.fsync, min_free_space=n.min_free_space,
                         stale_temp_age_s=n.stale_temp_age_s, verify=n.verify)
 
     def _new_persister(self) -> Persister:
-        return Persister(self, policy=self.cfg.write_policy, batch=self.cfg.write_batch)
+        return Persister(self.dram, self.disks, spill_demand=self.spill_demand, settled=self.settled,
+                         policy=self.cfg.write_policy, batch=self.cfg.write_batch)
 
     # --- back-pressure (called by Runner.reserve, under the lock) -------------------------------
 
@@ -108,7 +86,7 @@ class NvmeTiering:
 
     def spill_demand(self, pool: str) -> int:
         """Pages the spill policy should write now: what eviction wants next (under the lock)."""
-        return max(self.runner.pools[pool].over_watermark(), self._fill_demand[pool])
+        return max(self.dram.pool(pool).over_watermark(), self._fill_demand[pool])
 
     def settled(self) -> None:
         """The persister settled a batch (under the lock): waiting fills look for room again."""
@@ -116,8 +94,7 @@ class NvmeTiering:
 
     def committed(self) -> None:
         """Dirty pages were committed: the persister has work."""
-        if self.disks:
-            self.persister.wake.set()
+        self.persister.wake.set()
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -131,55 +108,55 @@ class NvmeTiering:
         so making room never evicts the head of the chain being completed."""
         if pool not in self.disks or not self.cfg.promote:
             return
-        runner = self.runner
-        with runner.lock:
-            p = runner.pool(pool)
+        dram = self.dram
+        with dram.lock:
+            p = dram.pool(pool)
             head = p.pin_prefix(keys, len(keys))
         try:
             if len(head) < len(keys):
                 self.promote(pool, keys[len(head):])
         finally:
-            with runner.lock:
+            with dram.lock:
                 p.unpin(head)
 
     def promote(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Copy the leading run of `keys` found on NVMe into DRAM. Returns pages promoted."""
-        runner, disk = self.runner, self.disks[pool]
+        dram, disk = self.dram, self.disks[pool]
         hexes = [k.page_hex for k in keys]
         n = disk.present(hexes)
         if not n:
             return 0
-        with runner.lock:
+        with dram.lock:
             announces = [e.announce if e is not None else None
                          for e in (disk.index.get(disk.name(h)) for h in hexes[:n])]
         try:
-            fill = runner.reserve(pool, keys[:n], announces, lease_s=math.inf)
+            fill = dram.reserve(pool, keys[:n], announces, lease_s=math.inf)
         except PoolError:
             return 0  # no room even after eviction: serve what DRAM has
         ok = [True] * n
         todo = [(i, p) for i, p in enumerate(fill.pages) if isinstance(p, Page)]
         try:
-            got = disk.read_into([hexes[i] for i, _ in todo], [runner.slot_view(pool, p) for _, p in todo])
+            got = disk.read_into([hexes[i] for i, _ in todo], [dram.slot_view(pool, p) for _, p in todo])
             for j, (i, _) in enumerate(todo):
                 ok[i] = j < got
         except BaseException:
             ok = [False] * n
             raise
         finally:
-            committed = runner.commit(fill.fill_id, ok, clean=True)
-        with runner.lock:
-            runner.pool(pool).mark_clean(keys[:n])  # pages another fill committed meanwhile: NVMe has them
+            committed = dram.commit(fill.fill_id, ok, clean=True)
+        with dram.lock:
+            dram.pool(pool).mark_clean(keys[:n])  # pages another fill committed meanwhile: NVMe has them
             self.num_promoted += committed
         return next((i for i, good in enumerate(ok) if not good), n)
 
     def persist(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Write DRAM pages to NVMe now (write-through); returns pages on NVMe afterwards."""
-        runner, disk = self.runner, self.disks[pool]
-        with runner.pinned(pool, keys) as pages:
-            results = disk.write([pg.key.page_hex for pg in pages], [runner.slot_view(pool, pg) for pg in pages],
+        dram, disk = self.dram, self.disks[pool]
+        with dram.pinned(pool, keys) as pages:
+            results = disk.write([pg.key.page_hex for pg in pages], [dram.slot_view(pool, pg) for pg in pages],
                                  [pg.announce for pg in pages])
-            with runner.lock:
-                runner.pool(pool).mark_clean([pg.key for pg, ok in zip(pages, results) if ok])
+            with dram.lock:
+                dram.pool(pool).mark_clean([pg.key for pg, ok in zip(pages, results) if ok])
         return sum(results)
 
     # --- inventory -----------------------------------------------------------------------------
@@ -190,9 +167,9 @@ class NvmeTiering:
         for name, disk in self.disks.items():
             dropped = disk.index.take_dropped()
             if dropped:
-                keys = self.runner.keys(name, [disk.page_hex(n) for n in dropped])
-                self.runner.pools[name].mark_unkept(keys, Keep.LOWER_EVICTED)
-                self.runner.pools[name].remember(keys)  # held here once, even if DRAM never had it
+                keys = self.dram.keys(name, [disk.page_hex(n) for n in dropped])
+                self.dram.pool(name).mark_unkept(keys, Keep.LOWER_EVICTED)
+                self.dram.pool(name).remember(keys)  # held here once, even if DRAM never had it
         return [e for disk in self.disks.values() for e in disk.index.take_events()]
 
     def inventory(self) -> list[Event]:
@@ -223,12 +200,12 @@ class NvmeTiering:
         """NVMe watermark eviction (one pass); a persister thread that died is restarted."""
         for disk in self.disks.values():
             disk.evict_to_watermark()
-        if self.disks and not self.persister.is_alive():
+        if not self.persister.is_alive():
             log.error("the NVMe persister thread is gone; restarting it")
             self.persister = self._new_persister().start()
 
     def healthy(self) -> bool:
-        return not self.disks or self.persister.is_alive()
+        return self.persister.is_alive()
 
     def flush(self) -> tuple[float, int, int]:
         """Write every dirty DRAM page to NVMe within nvme.flush_timeout_s (at shutdown); returns
@@ -249,9 +226,14 @@ class NvmeTiering:
         self.persister.stop()
         for disk in self.disks.values():
             disk.close()
-        with self.runner.lock:
+        with self.dram.lock:
             for disk in self.disks.values():
                 disk.index.clear()
+
+    def index_statistics(self, pool: str) -> DiskStats | None:
+        """The pool's disk index counters (under the lock); None for a pool this tier does not keep."""
+        disk = self.disks.get(pool)
+        return disk.index.statistics() if disk is not None else None
 
     def statistics(self) -> TieringStatistics:
         """Counters (under the lock)."""

@@ -1,9 +1,9 @@
-"""Runner: the DRAM region, its pools, claims and the event stream, behind one lock.
+"""Runner: the DRAM core, that is the region, its pools, claims and the event stream, behind one lock.
 
 Metadata changes happen under the lock; page bytes are copied outside it, while the pages
-are FILLING (invisible) or claimed (pinned), so a half-written page is never visible. The NVMe
-tier behind DRAM (`self.nvme`, kvcr/tiering.py) and TP shard assembly (`self.shards`,
-kvcr/shard_assembly.py) are owners of their own; pulls from peers are kvcr/pulls.py's.
+are FILLING (invisible) or claimed (pinned), so a half-written page is never visible. The tier
+below DRAM is whatever `LowerTier` it was built with (lower.py); it knows nothing else of the
+layer: shard assembly and the NVMe tier are joined to it by the store (store.py).
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from typing import Callable, Iterator, Sequence
 
 import xxhash
 
-from .config import Config
-from .drivers.shm import Region, host_id, region_name
-from .proto.announce import Announce
-from .proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill, Release
-from .proto.disk_index import DiskStats
-from .proto.events import AllBlocksCleared, Event
-from .proto.keys import Namespace, StorageKey, storage_keys
-from .proto.pool import Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
-from .proto.relay import RelayStep
-from .shard_assembly import ShardAssembly
-from .tiering import NvmeTiering, TieringStatistics
+from ..config import Config
+from ..drivers.shm import Region, host_id, region_name
+from ..proto.announce import Announce
+from ..proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill, Release
+from ..proto.disk_index import DiskStats
+from ..proto.events import AllBlocksCleared, Event
+from ..proto.keys import Namespace, StorageKey, storage_keys
+from ..proto.pool import Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
+from ..proto.relay import RelayStep
+from .lower import DramSide, LowerTier, NoLowerTier, TieringStatistics
 
 
 class UnknownPool(PoolError):
@@ -116,7 +115,8 @@ def plan_layout(cfg: Config) -> list[PoolLayout]:
 
 class Runner:
     def __init__(self, cfg: Config, *, publish: Callable[[Sequence[Event]], int] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 lower: Callable[[DramSide], LowerTier] | None = None) -> None:
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex[:16]
         self.clock = clock
@@ -126,12 +126,11 @@ class Runner:
         self.region = Region.create(name, total, lock_memory=cfg.dram.lock_memory)
         self.view = self.region.view
         self.region_address = self.region.address
-        # With an NVMe tier, committed pages are DIRTY until the persister has written them, and
-        # eviction takes CLEAN pages first (see PagePool).
-        lower = bool(cfg.nvme.storage_dir)
+        # With a tier below, committed pages are DIRTY until it has written them, and eviction
+        # takes CLEAN pages first (see PagePool).
         self.pools = {p.name: PagePool(p.name, page_bytes=p.page_bytes, num_slots=p.num_slots,
                                        block_size=cfg.runner.block_size, high_watermark=cfg.dram.high_watermark,
-                                       low_watermark=cfg.dram.low_watermark, lower=lower)
+                                       low_watermark=cfg.dram.low_watermark, lower=lower is not None)
                       for p in self.layouts.values()}
         self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction,
                                  max_claims_per_owner=cfg.runner.max_claims_per_peer)
@@ -143,8 +142,7 @@ class Runner:
         self.hits = 0
         self.misses = 0
         self.unheld: Counter[str] = Counter()  # pages peers claimed that we do not hold, by cause
-        self.nvme = NvmeTiering(self, cfg, list(self.layouts.values()))
-        self.shards = ShardAssembly(self)
+        self._lower: LowerTier = lower(self) if lower is not None else NoLowerTier()  # last: it uses the lock
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -161,6 +159,11 @@ class Runner:
         digest = self.layouts[pool].namespace.digest  # once per request, not per page
         return storage_keys(page_hexes, digest)
 
+    def page_geometry(self, pool: str) -> tuple[int, int]:
+        """(page bytes, TP shards side by side in a page) of a pool (UnknownPool if none)."""
+        layout = self.layouts[self.pool(pool).name]
+        return layout.page_bytes, layout.shards
+
     def capacity(self, pool: str) -> int:
         """Slots in the pool (fixed at start)."""
         return self.pool(pool).capacity
@@ -171,7 +174,7 @@ class Runner:
 
     def flush_events(self) -> None:
         """Publish what changed (under the lock)."""
-        nvme = self.nvme.take_events()  # first: it marks DRAM copies NVMe let go as unkept
+        nvme = self._lower.take_events()  # first: it marks DRAM copies NVMe let go as unkept
         events = [e for pool in self.pools.values() for e in pool.take_events()] + nvme
         if events:
             self._publish(events + list(self.follower(events)) if self.follower is not None else events)
@@ -203,9 +206,9 @@ class Runner:
                                                evict_dirty=deadline is not None and time.monotonic() >= deadline)
                     break
                 except PoolBusy as busy:
-                    deadline = self.nvme.wait_for_writer(pool, busy, deadline)
+                    deadline = self._lower.wait_for_writer(pool, busy, deadline)
             if deadline is not None:
-                self.nvme.waited(deadline)
+                self._lower.waited(deadline)
             self.flush_events()  # room may have been made by eviction
             return fill
 
@@ -224,7 +227,7 @@ class Runner:
             n = self.claims.commit(fill_id, owner=owner, ok=ok, now=self.clock(), clean=clean)
             self.flush_events()
         if n and not clean:
-            self.nvme.committed()
+            self._lower.committed()
         return n
 
     def _digest_fill(self, fill_id: int, ok: Sequence[bool] | None) -> None:
@@ -283,13 +286,13 @@ class Runner:
         p = self.pool(pool)
         with self.lock:
             in_dram = [p.get(k) is not None for k in keys]
-            on_disk = self.nvme.on_disk(pool, keys)
+            on_disk = self._lower.on_disk(pool, keys)
         return [TIER_DRAM if d else TIER_NVME if n else TIER_ABSENT for d, n in zip(in_dram, on_disk)]
 
     def holds_event_hash(self, event_hash: int) -> bool:
         """Whether a page with this (int64) event hash is in DRAM or on NVMe (under the lock)."""
         return any(p.key_for_event_hash(event_hash) is not None for p in self.pools.values()) \
-            or self.nvme.holds_event_hash(event_hash)
+            or self._lower.holds_event_hash(event_hash)
 
     def touch(self, pool: str, keys: Sequence[StorageKey]) -> None:
         """The pages were used elsewhere (an engine's own copy served them): most recent in DRAM."""
@@ -298,7 +301,7 @@ class Runner:
 
     def claim(self, pool: str, keys: Sequence[StorageKey], *, owner: str = "local", lease_s: float | None = None) -> Claim:
         """Pin the leading present pages; NVMe pages right after the DRAM run are promoted first."""
-        self.nvme.complete_run(pool, keys)
+        self._lower.complete_run(pool, keys)
         with self.lock:
             p = self.pool(pool)
             claim = self.claims.claim(p, keys, owner=owner, lease_s=lease_s or self.cfg.runner.lease_seconds,
@@ -366,7 +369,7 @@ class Runner:
 
         A local copy is bounded by this call, so it takes no lease and no share of the claim limit.
         """
-        self.nvme.complete_run(pool, keys)
+        self._lower.complete_run(pool, keys)
         with self.lock:
             p = self.pool(pool)
             pages = p.pin_prefix(keys, len(keys))
@@ -418,30 +421,24 @@ class Runner:
                 buf[:size] = self.slot_view(pool, page)
             return len(pages)
 
-    def housekeeping(self) -> None:
-        """Lease expiry, then the NVMe tier's pass (watermark eviction, a dead writer restarted)."""
-        self.expire()
-        self.nvme.housekeeping()
-
     def statistics(self) -> RunnerStatistics:
         with self.lock:
             now = self.clock()
             tiers = tuple(self._tier_statistics(name, pool, now) for name, pool in self.pools.items())
             return RunnerStatistics(tiers, self.claims.statistics(), self.hits, self.misses,
-                                    tuple(sorted(self.dropped().items())), self.nvme.statistics(),
+                                    tuple(sorted(self.dropped().items())), self._lower.statistics(),
                                     self.unheld["evicted"], self.unheld["never_held"])
 
     def _tier_statistics(self, name: str, pool: PagePool, now: float) -> TierStatistics:
-        disk = self.nvme.disks.get(name)
-        since = pool.oldest_dirty_since() if disk is not None else None
-        return TierStatistics(pool.statistics(), pool.num_evicted, disk.index.statistics() if disk else None,
-                              pool.num_dirty if disk is not None else 0,
-                              0.0 if since is None else max(0.0, now - since))
+        below = name in self._lower.pools
+        since = pool.oldest_dirty_since() if below else None
+        return TierStatistics(pool.statistics(), pool.num_evicted, self._lower.index_statistics(name),
+                              pool.num_dirty if below else 0, 0.0 if since is None else max(0.0, now - since))
 
     def dropped(self) -> dict[tuple[str, str, str], int]:
         """Pages a tier let go that no tier below kept: (pool, tier, reason) -> count (under the lock)."""
         out = {(name, "dram", reason): n for name, p in self.pools.items() for reason, n in p.dropped.items()}
-        out.update({(name, "nvme", "evicted"): n for name, n in self.nvme.evicted().items()})
+        out.update({(name, "nvme", "evicted"): n for name, n in self._lower.evicted().items()})
         return out
 
     # --- inventory ---------------------------------------------------------------------------
@@ -451,21 +448,21 @@ class Runner:
         with self.lock:
             n = self.pool(pool).remove(keys)
             self.flush_events()
-        return n + self.nvme.remove(pool, [k.page_hex for k in keys])
+        return n + self._lower.remove(pool, [k.page_hex for k in keys])
 
     def clear(self, pool: str) -> int:
         """Drop every page of `pool` from DRAM and NVMe (SGLang's /flush_cache). Returns pages removed."""
         with self.lock:
             keys = [p.key for p in self.pool(pool).ready_pages()]
-            on_disk = self.nvme.page_hexes(pool)
-        return self.remove(pool, keys) + self.nvme.remove(pool, on_disk)
+            on_disk = self._lower.page_hexes(pool)
+        return self.remove(pool, keys) + self._lower.remove(pool, on_disk)
 
     def inventory(self) -> list[Event]:
         """The whole announced inventory as BlockStored events (call under the lock)."""
         events: list[Event] = []
         for pool in self.pools.values():
             events.extend(coalesce_stored(pool.ready_pages(), pool.block_size, pool.medium))
-        return events + self.nvme.inventory()
+        return events + self._lower.inventory()
 
     def relay(self, step: RelayStep) -> None:
         """Publish relayed engine events; a resync first clears and re-announces our own pages.
@@ -484,18 +481,15 @@ class Runner:
             self._publish([AllBlocksCleared(), *self.inventory()])
 
     def expire(self) -> list[int]:
+        """End the claims and fills whose lease ran out; returns the ids of those that ended."""
         with self.lock:
             gone = self.claims.expire(self.clock(), writer_alive=_pid_alive)
             self.flush_events()
-        self.shards.forget(gone)  # its lock is never taken under ours
         return gone
 
     def shutdown(self) -> None:
-        """Flush dirty pages to NVMe, announce the removal of everything held, then unmap and
-        unlink the region."""
-        if self.nvme.disks:
-            self.nvme.flush()
-        self.nvme.close()  # the files stay; a restarted runner re-announces them
+        """Announce the removal of everything DRAM holds, then unmap and unlink the region (the
+        store flushes and closes the tier below first)."""
         with self.lock:
             for pool in self.pools.values():
                 pool.clear()
