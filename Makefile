@@ -22,7 +22,7 @@ SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-c
 # Hugging Face's datasets at load, whatever the dataset.
 SGLANG_CLIENT_DEPS := datasets==5.2.0
 
-.PHONY: demo test setup sglang-setup dynamo-setup native-deps system-deps dynamo-system-deps bench bench-deps fuzz clean
+.PHONY: demo test test-pure setup sglang-setup dynamo-setup native-deps system-deps dynamo-system-deps bench bench-deps fuzz clean
 
 # kvcr's C token hash (setup.py) includes xxhash's header; where it cannot be installed the
 # hashes stay in Python, so this step never fails the build.
@@ -88,6 +88,10 @@ demo: setup
 test: setup sglang-setup dynamo-setup
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python \
 		$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The quick inner loop: the decisions alone (tests marked `pure`: no process, no socket), in seconds.
+test-pure: setup
+	$(VENV)/bin/pytest -q -m pure $(PYTEST_ARGS)
 
 # Mooncake's non-CUDA wheel links libibverbs at import (no RDMA device is needed).
 bench-deps:

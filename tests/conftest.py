@@ -1,6 +1,8 @@
 import json
 import os
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -110,6 +112,22 @@ def _owner_alive(name: str) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture(autouse=True)
+def _pure_tests_stay_in_memory(request, monkeypatch):
+    """A test marked `pure` (`make test-pure`) checks decisions alone: starting a process or
+    opening a socket fails it, so the quick loop stays quick and needs nothing running."""
+    if request.node.get_closest_marker("pure") is None:
+        return
+
+    def refused(what: str):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a test marked pure {what}: it belongs outside the pure set")
+        return refuse
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refused("started a process"))
+    monkeypatch.setattr(socket.socket, "__init__", refused("opened a socket"))
 
 
 @pytest.fixture(autouse=True)

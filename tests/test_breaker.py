@@ -4,6 +4,8 @@ import pytest
 
 from router_hints.breaker import Breakers
 
+pytestmark = pytest.mark.pure
+
 A, B = ("a", 0), ("b", 0)
 
 

@@ -13,6 +13,8 @@ from kvcr.dynamo.requests import BridgeRequestError, StreamDecoder, generate_bod
 from kvcr.proto.dynamo_feed import DynamoFeed, Phase
 from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM, AllBlocksCleared, BlockRemoved, BlockStored
 
+pytestmark = pytest.mark.pure
+
 CLEAR = AllBlocksCleared()
 
 

@@ -16,6 +16,8 @@ from kvcr.proto.hints import HintError, build_envelope, parse_envelope
 from router_hints.http.config import RouterConfigError, parse_router_config
 from kvcr.text import RequestError, TextTokenizer, request_tokens
 
+pytestmark = pytest.mark.pure
+
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # JSON/msgpack-shaped values: what a peer or a client can actually send.
 scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=20) \

@@ -5,6 +5,8 @@ import pytest
 
 from tests.fuzz.targets import TARGETS, corpus
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_every_corpus_input_decodes_or_is_refused_by_name(name):

@@ -9,6 +9,8 @@ import pytest
 from kvcr.proto import keys, tokenhash
 from tests.conftest import vectors
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("v", vectors("sglang_page_sha256_chain"))
 def test_sglang_page_chain_matches_engine(v):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -163,3 +165,13 @@ def test_the_circle_finder_finds_a_circle_through_several_modules():
 ])
 def test_the_runner_layers_parts_know_each_other_only_through_its_interfaces(module, below):
     assert sorted(import_graph()[module] & set(below)) == []
+
+
+def test_a_pure_test_that_starts_a_process_or_opens_a_socket_fails():
+    import socket
+    import subprocess
+
+    with pytest.raises(AssertionError, match="started a process"):
+        subprocess.Popen(["true"])
+    with pytest.raises(AssertionError, match="opened a socket"):
+        socket.socket()

@@ -5,6 +5,8 @@ import pytest
 
 from tests.nfqueue import DelayQueue
 
+pytestmark = pytest.mark.pure
+
 
 def test_without_reordering_packets_leave_in_order_one_delay_after_they_came():
     q = DelayQueue(delay_s=0.030, reorder_percent=0, reorder_s=0.010)

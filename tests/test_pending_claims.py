@@ -9,6 +9,8 @@ from kvcr.proto.keys import event_hashes, page_hashes, storage_namespace_seed
 from sglang_adapter.pagemeta import AnnounceChain, restorable
 from sglang_adapter.pending import Pending, PendingClaims
 
+pytestmark = pytest.mark.pure
+
 
 @dataclass(frozen=True)
 class Lease:

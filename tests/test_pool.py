@@ -8,6 +8,8 @@ from kvcr.proto.events import BlockRemoved, BlockStored
 from kvcr.proto.keys import request_page_hashes
 from kvcr.proto.pool import IN_FLIGHT, PagePool, PageSizeError, PoolExhausted
 
+pytestmark = pytest.mark.pure
+
 BLOCK = 4
 
 

@@ -7,6 +7,8 @@ from kvcr.proto.pull import (MISS, BackOff, ClaimAgain, DigestMismatch, Finish, 
                              PullState, PullStateError, PullTerms, Refuse, SendRelease, SourceTerms, Transfer,
                              choose_transport, late_grant_release, pages_inside)
 
+pytestmark = pytest.mark.pure
+
 PAGE = 4096
 INCARNATION = "src-1"
 LEASE = 10.0

@@ -4,6 +4,8 @@ import pytest
 
 from kvcr.proto.reach import MAX_BACKOFF_FACTOR, Reachability
 
+pytestmark = pytest.mark.pure
+
 
 def test_an_unanswered_source_is_skipped_until_its_backoff_ends():
     reach = Reachability(backoff_s=5.0)

@@ -9,6 +9,8 @@ from router_hints.core import RouterCore, on_device
 from router_hints.discovery import Publisher
 from router_hints.index import Overlap
 
+pytestmark = pytest.mark.pure
+
 BLOCK = 4
 A, B = ("a", 0), ("b", 0)
 

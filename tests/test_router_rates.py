@@ -10,6 +10,8 @@ from router_hints.index import Overlap
 from router_hints.rates import KINDS, Rates, RateSettings, Sample, WorkerRates, solve, tier_weights
 from router_hints.scoring import Choice, CostModel, Load, choose, pullable_blocks
 
+pytestmark = pytest.mark.pure
+
 W = ("w", 0)
 TRUE = {"computed": 2e-3, "device": 2e-4, "host": 1e-3, "dram": 1.2e-3, "disk": 1.8e-3, "pulled": 1.5e-3}
 

@@ -13,6 +13,8 @@ from router_hints.core import RouterCore
 from router_hints.discovery import Publisher
 from tests.conftest import wait_until
 
+pytestmark = pytest.mark.pure
+
 BLOCK = 4
 
 

@@ -18,6 +18,8 @@ import pytest
 
 from kvcr.text import DEFAULT_TOKENIZER, RequestError, TextTokenizer, request_tokens
 
+pytestmark = pytest.mark.pure
+
 transformers = pytest.importorskip("transformers")
 
 BOS, EOS = "<s>", "</s>"

@@ -7,6 +7,8 @@ import zmq
 
 from kvcr.drivers.wakeup import Waker
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture
 def waker():

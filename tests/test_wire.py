@@ -6,6 +6,8 @@ import pytest
 from kvcr.proto import events as ev
 from kvcr.proto import hints, messages
 
+pytestmark = pytest.mark.pure
+
 
 def stored(**kw):
     base = dict(block_hashes=(11, 12), parent_block_hash=None, token_ids=tuple(range(32)), block_size=16,
