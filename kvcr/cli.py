@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .keys import client_http_token
+    from .curve_keys import client_http_token
 
     try:
         from .client import fetch_info
@@ -63,7 +63,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from .keys import KeysError, add_client, init
+    from .curve_keys import KeysError, add_client, init
 
     if args.action == "init":
         made = init(args.directory)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, get_args, get_origin, get_type_hints
 from .proto.keys import EVENT_FORMATS, KeyFormatError, Namespace
 
 if TYPE_CHECKING:
-    from .keys import DeploymentKeys
+    from .curve_keys import DeploymentKeys
 
 
 class ConfigError(ValueError):
@@ -225,7 +225,7 @@ class CurveKeys:
         from the key directory KVCR_KEYS_DIR names (the router, the CLI): None when none is set."""
         public, secret = os.environ.get(ENV_PUBLIC, ""), os.environ.get(ENV_SECRET, "")
         if not public and not secret and os.environ.get(ENV_KEYS_DIR):
-            from .keys import KeysError, load
+            from .curve_keys import KeysError, load
 
             try:
                 keys = load(os.environ[ENV_KEYS_DIR])
@@ -286,7 +286,7 @@ class Config:
         return self.runner.http_token or (self._keys_dir().http_token if self.runner.keys_dir else "")
 
     def _keys_dir(self) -> DeploymentKeys:
-        from .keys import KeysError, load
+        from .curve_keys import KeysError, load
 
         try:
             return load(self.runner.keys_dir)

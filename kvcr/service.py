@@ -19,7 +19,7 @@ from .drivers.zmq_events import EventPublisher, SeqSource
 from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
-from .pulls import PeerPulls
+from .peer_pulls import PeerPulls
 from .runner import open_store
 
 if TYPE_CHECKING:

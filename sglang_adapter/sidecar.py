@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvcr.client import AttachedWriter, ControlClient, ControlError
-from kvcr.drivers.puller import PeerError, Puller
+from kvcr.drivers.claim_holder import ClaimHolder
+from kvcr.drivers.puller import Puller
 from kvcr.proto import messages as m
 from kvcr.proto.keys import Namespace
 
@@ -29,8 +29,7 @@ from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
 from .layout import KeyLayout, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, HintedRequest
-from .pending import Pending, PendingClaims
-from .pulls import deliver_confirmed, request_hint_source, request_hints
+from .hint_source import request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
 hooks.install_if_launched()  # TP > 1 engines load this module, not storage.py
@@ -57,8 +56,7 @@ class KVCRSidecarStorage(HiCacheStorage):
         self._writers_lock = threading.Lock()
         self.layout: KeyLayout | None = None
         self.mem_pool_host = None
-        self._puller: Puller | None = None  # made on the first request hint: a UCX worker of our own
-        self._pending = PendingClaims()
+        self._claims: ClaimHolder | None = None  # made on the first request hint, with a UCX worker of our own
 
     @property
     def writer(self) -> AttachedWriter:
@@ -96,7 +94,8 @@ class KVCRSidecarStorage(HiCacheStorage):
     # --- lookups -----------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        self._give_back(self._pending.expire(time.monotonic()))
+        if self._claims is not None:
+            self._claims.expire()
         client = self.writer.client
         try:
             tiers = client.request(m.Lookup(pool=POOL, keys=list(keys))).tiers
@@ -104,13 +103,13 @@ class KVCRSidecarStorage(HiCacheStorage):
             if local == len(keys):
                 return local
             owner = hooks.current_request()
-            self._pending.started(owner)
-            confirmed = self._pending.covered(keys, local, owner)
-            if confirmed > local:
-                return confirmed
+            if self._claims is not None:
+                confirmed = self._claims.covered(keys, local, owner)
+                if confirmed > local:
+                    return confirmed
             hinted = request_hints(extra_info)
             if hinted is not None and self.cfg.use_request_hints:
-                return local + self._confirm(keys, local, hinted, owner)
+                return self._confirm(keys, local, hinted, owner)
             # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
             return local + client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
@@ -118,41 +117,28 @@ class KVCRSidecarStorage(HiCacheStorage):
             return 0
 
     def _confirm(self, keys: list[str], local: int, hinted: HintedRequest, owner: str | None) -> int:
-        """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim)."""
+        """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim);
+        returns how far local pages and the claim reach."""
         source = request_hint_source(hinted, keys[local:], self.layout.page.page_size, self.layout.pages)
         if source is None:
-            return 0
+            return local
         endpoint, depth = source
-        try:
-            conf = self.puller.confirm(endpoint, POOL, keys[local:local + depth])
-        except PeerError as exc:
-            log.warning("kvcr: %s", exc)
-            return 0
-        if conf is None:
-            return 0
-        pending = Pending(conf, keys[local:local + conf.num_pages], {owner})
-        if not self._pending.add(pending):  # granted after its prefetch ended: nobody will collect it
-            self._give_back([pending])
-            return 0
-        return conf.num_pages
+        return self.claims.confirm(endpoint, POOL, keys, local, depth, owner)
 
     @property
-    def puller(self) -> Puller:
-        if self._puller is None:
+    def claims(self) -> ClaimHolder:
+        if self._claims is None:
             from kvcr.drivers.ucx_plane import UcxPlane  # loads libucx: only once a rank pulls
 
             pool = self.writer.pools[POOL]
-            self._puller = Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]},
-                                  timeout_s=self.cfg.pull_timeout_s, lease_s=self.cfg.claim_lease_s,
-                                  page_bytes={POOL: pool["page_bytes"]}, transport="auto")
-        return self._puller
-
-    def _give_back(self, pending: list[Pending]) -> None:
-        for p in pending:
-            self.puller.release(p.conf, wait=False)  # sent by the puller's sender: never waits here
+            self._claims = ClaimHolder(Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]},
+                                              timeout_s=self.cfg.pull_timeout_s, lease_s=self.cfg.claim_lease_s,
+                                              page_bytes={POOL: pool["page_bytes"]}, transport="auto"))
+        return self._claims
 
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
-        self._give_back(self._pending.take_starting_in(keys, request_id))
+        if self._claims is not None:
+            self._claims.prefetch_ended(keys, request_id)
 
     def exists(self, key) -> bool:
         return self.batch_exists([key]) == 1
@@ -164,8 +150,9 @@ class KVCRSidecarStorage(HiCacheStorage):
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
         base = self.writer.region.address + self.shard * self.layout.bytes
         n = self._read(keys, lambda i, offset: scatter([(base + offset, segments[i])], self.layout.segment_bytes))
-        n += deliver_confirmed(self.puller, self._pending, keys, segments, n, self.layout.segment_bytes,
-                               slice_offset=self.shard * self.layout.bytes) if n < len(keys) and self._pending else 0
+        if n < len(keys) and self._claims is not None and len(self._claims):
+            n += self._claims.deliver(keys, segments, n, self.layout.segment_bytes,
+                                      slice_offset=self.shard * self.layout.bytes)
         return [i < n for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -240,10 +227,10 @@ class KVCRSidecarStorage(HiCacheStorage):
         self.writer.client.request(m.Remove(pool=POOL, everything=True))
 
     def close(self) -> None:
-        if self._puller is not None:
-            self._give_back(self._pending.drain())
-            self._puller.close()
-            self._puller.plane.close()
+        if self._claims is not None:
+            self._claims.close()
+            self._claims.puller.close()
+            self._claims.puller.plane.close()
         with self._writers_lock:
             writers, self._writers = self._writers, []
         for writer in writers:

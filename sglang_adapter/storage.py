@@ -28,11 +28,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvcr.config import load_config
-from kvcr.proto.pull import PeerError
+from kvcr.drivers.claim_holder import ClaimHolder
 from kvcr.proto.announce import Announce
 from kvcr.proto.events import EventError
 from kvcr.proto.pool import Page, PoolError
-from kvcr.pulls import PeerPulls
+from kvcr.peer_pulls import PeerPulls
 from kvcr.runner import TIER_ABSENT, Runner
 from kvcr.service import Service
 
@@ -44,8 +44,7 @@ from . import peer_directory
 from .peer_directory import PeerDirectory, PeerDirectoryError
 from .peer_etcd import EtcdPeers
 from .peers import PeerFeed
-from .pending import Pending, PendingClaims
-from .pulls import deliver_confirmed, request_hint_source, request_hints
+from .hint_source import request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
 POOL = "kv"
@@ -86,12 +85,11 @@ class KVCRStorage(HiCacheStorage):
         self.peer_dir: PeerDirectory | None = None
         self.layouts: dict[str, KeyLayout] = {}  # per host pool: what one key holds of it
         self.mem_pool_host = None
-        self._pending = PendingClaims()
+        self.claims: ClaimHolder | None = None  # with the runner's puller: the claims we take at peers
         self._start_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._chain: AnnounceChain | None = None  # made once the KV pool's page size is known
         self.stats = _Stats()
-        self.num_claims_expired = 0
 
     supports_page_spans = True  # the capability upstream's factory asks for before span mode
 
@@ -131,6 +129,7 @@ class KVCRStorage(HiCacheStorage):
                 self.service = Service(self._runner_config()).start()
                 if self.service.pulls.puller is not None:  # claims we take outlive an uncollected prefetch
                     self.service.pulls.puller.lease_s = self.cfg.claim_lease_s
+                    self.claims = ClaimHolder(self.service.pulls.puller)
                 self.peer_dir = self._join_peers(self.service.public_info())
                 if (self.cfg.peers or self.peer_dir is not None) and self.cfg.opportunistic:
                     own = frozenset(p["namespace_digest"] for p in self.service.runner.info()["pools"])
@@ -204,38 +203,19 @@ class KVCRStorage(HiCacheStorage):
         self._expire_pending()
         tiers = self.runner.tiers(POOL, self._keys(keys))
         local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
-        if local == len(keys) or self.pulls.puller is None:
+        if local == len(keys) or self.claims is None:
             return local
         owner = hooks.current_request()
-        self._pending.started(owner)
-        confirmed = self._pending.covered(keys, local, owner)
+        confirmed = self.claims.covered(keys, local, owner)
         if confirmed > local:
             return confirmed  # asked again (another rank's query, a retry, a shared prefix): the claims stand
         source = self._source(keys, local, extra_info)
-        return local if source is None else self._confirm(keys, local, *source, owner)
-
-    def _confirm(self, keys: list[str], local: int, endpoint: str, depth: int, owner: str | None) -> int:
-        """Claim keys[local:local+depth] at the source, one claim per SGLang transfer batch (the
-        controller reads in batches of STORAGE_BATCH_SIZE from the first key), so each batch's
-        pull is one claim that ends with it. Returns the count SGLang may rely on."""
-        got, end = local, local + depth
-        while got < end:
-            stop = min(end, (got // STORAGE_BATCH_SIZE + 1) * STORAGE_BATCH_SIZE)
-            try:
-                conf = self.pulls.puller.confirm(endpoint, POOL, keys[got:stop])
-            except PeerError as exc:  # untrusted, or a namespace mismatch: nothing to load from it
-                log.warning("kvcr: %s", exc)
-                conf = None
-            if conf is None:
-                break
-            pending = Pending(conf, keys[got:got + conf.num_pages], {owner})
-            if not self._pending.add(pending):  # granted after its prefetch ended: nobody will collect it
-                self._give_back([pending])
-                break
-            got += conf.num_pages
-            if got < stop:
-                break
-        return got
+        if source is None:
+            return local
+        # One claim per SGLang transfer batch (the controller reads in batches of
+        # STORAGE_BATCH_SIZE from the first key), so each batch's pull is one claim that ends with it.
+        endpoint, depth = source
+        return self.claims.confirm(endpoint, POOL, keys, local, depth, owner, batch=STORAGE_BATCH_SIZE)
 
     def _source(self, keys: list[str], local: int, extra_info) -> tuple[str, int] | None:
         """(endpoint, pages from `local`) a hint names: the request's own, else one the router posted."""
@@ -254,17 +234,14 @@ class KVCRStorage(HiCacheStorage):
             return self.peer_feed.best_source(events)
         return None
 
-    def _give_back(self, pending: list[Pending]) -> None:
-        for p in pending:
-            # Not waited for: the caller (the scheduler's prefetch-ended hook) must not wait on a
-            # source's socket held by a transfer in flight; the puller's sender sends it.
-            self.pulls.puller.release(p.conf, wait=False)
-
     def _expire_pending(self) -> None:
         """Give back claims SGLang never collected (a prefetch that ended or was revoked)."""
-        gone = self._pending.expire(time.monotonic())
-        self._give_back(gone)
-        self.num_claims_expired += len(gone)
+        if self.claims is not None:
+            self.claims.expire()
+
+    @property
+    def num_claims_expired(self) -> int:
+        return self.claims.num_expired if self.claims is not None else 0
 
     def engine_hit(self, keys: list[str]) -> None:
         """The engine served these pages from its own pools (hooks): a use, as a read is."""
@@ -273,12 +250,13 @@ class KVCRStorage(HiCacheStorage):
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
         """The scheduler stopped or revoked a request's prefetch (launcher hook): give back the
         claims it will not collect and no other request counts on."""
-        self._give_back(self._pending.take_starting_in(keys, request_id))
+        if self.claims is not None:
+            self.claims.prefetch_ended(keys, request_id)
 
     def _take_pending(self, keys: list[str]) -> None:
         """Byte-copy reads: pull what batch_exists confirmed for these keys into the runner."""
         pos = self.runner.lookup(POOL, self._keys(keys))
-        while pos < len(keys) and (p := self._pending.take(keys, pos)) is not None:
+        while pos < len(keys) and self.claims is not None and (p := self.claims.take(keys, pos)) is not None:
             got = self.pulls.take_confirmed(p.conf, p.page_hexes)
             self._count_peer(got)
             if got < len(p.page_hexes):
@@ -302,12 +280,12 @@ class KVCRStorage(HiCacheStorage):
         layout, runner = self.layouts[name], self.runner
         segments = layout.key_segments(host_pool, host_indices, len(keys))
         # pages a peer confirmed are not asked of our pools (they are no local misses)
-        local = self._pending.first_claimed(keys) if name == POOL else len(keys)
+        local = self.claims.first_claimed(keys) if name == POOL and self.claims is not None else len(keys)
         with runner.pinned(name, self._keys(keys[:local], name)) as pages:
             scatter([(runner.region_address + runner.offset(name, page.slot), segs)
                      for page, segs in zip(pages, segments)], layout.segment_bytes)
             n = len(pages)
-        if name == POOL:
+        if name == POOL and self.claims is not None:
             n += self._pull_confirmed(keys, segments, n)
         self._count("prefetch", n, start)
         return [i < n for i in range(len(keys))]
@@ -321,8 +299,7 @@ class KVCRStorage(HiCacheStorage):
                 return
             self._keep_pulled(keys[first:first + count], segments[first:first + count], announces)
 
-        delivered = deliver_confirmed(self.pulls.puller, self._pending, keys, segments, n,
-                                      self.layouts[POOL].segment_bytes, on_delivered=keep)
+        delivered = self.claims.deliver(keys, segments, n, self.layouts[POOL].segment_bytes, on_delivered=keep)
         self._count_peer(delivered)
         return delivered
 
@@ -476,7 +453,7 @@ class KVCRStorage(HiCacheStorage):
         return metrics
 
     def claims_pending(self) -> int:
-        return len(self._pending)
+        return len(self.claims) if self.claims is not None else 0
 
     def close(self) -> None:
         if self.peer_feed is not None:  # first: it reads the registry we leave
@@ -487,6 +464,8 @@ class KVCRStorage(HiCacheStorage):
             atexit.unregister(self.peer_dir.leave)
             self.peer_dir = None
         if self.service is not None:
-            self._give_back(self._pending.drain())
+            if self.claims is not None:
+                self.claims.close()
+                self.claims = None
             self.service.stop()
             self.service = None

@@ -1,13 +1,13 @@
-"""The adapter's pure parts: pending claims (a read collects only the claim on exactly its keys),
+"""The adapter's pure parts: the claims a destination holds (a read collects only the claim on exactly its keys),
 restorable prefixes per hit policy, page announces."""
 
 import pytest
 
 from dataclasses import dataclass
 
+from kvcr.proto.claim_ledger import ClaimLedger, HeldClaim
 from kvcr.proto.keys import event_hashes, page_hashes, storage_namespace_seed
 from sglang_adapter.pagemeta import AnnounceChain, restorable
-from sglang_adapter.pending import Pending, PendingClaims
 
 pytestmark = pytest.mark.pure
 
@@ -22,12 +22,12 @@ class Lease:
         return now >= self.deadline
 
 
-def claim(run: list[str], deadline: float = 5.0) -> Pending:
-    return Pending(conf=Lease(deadline), page_hexes=run)
+def claim(run: list[str], deadline: float = 5.0) -> HeldClaim:
+    return HeldClaim(conf=Lease(deadline), page_hexes=run)
 
 
 def test_two_requests_sharing_a_first_key_never_collect_each_others_claim():
-    claims = PendingClaims()
+    claims = ClaimLedger()
     a, b = claim(["k0", "a1", "a2"]), claim(["k0", "b1", "b2"])
     claims.add(a)
     claims.add(b)
@@ -39,7 +39,7 @@ def test_two_requests_sharing_a_first_key_never_collect_each_others_claim():
 
 
 def test_chained_claims_cover_a_long_request_and_expire_or_drain():
-    claims = PendingClaims()
+    claims = ClaimLedger()
     first, second = claim(["p0", "p1"], deadline=5.0), claim(["p2", "p3"], deadline=15.0)
     claims.add(first)
     claims.add(second)
@@ -51,8 +51,8 @@ def test_chained_claims_cover_a_long_request_and_expire_or_drain():
 
 
 def test_a_claim_two_requests_count_on_goes_back_only_when_both_ended():
-    claims = PendingClaims()
-    shared = Pending(conf=Lease(5.0), page_hexes=["s0", "s1"], owners={"rid-a"})
+    claims = ClaimLedger()
+    shared = HeldClaim(conf=Lease(5.0), page_hexes=["s0", "s1"], owners={"rid-a"})
     claims.add(shared)
     assert claims.covered(["s0", "s1"], 0, "rid-b") == 2  # B's query counts on A's claim
     assert claims.take_starting_in(["s0", "s1"], "rid-a") == []  # A revoked: B still needs it
@@ -103,15 +103,15 @@ def test_a_salted_chain_whose_parent_was_never_stored_here_is_not_announced():
 
 @pytest.mark.parametrize("owners, held", [({"rid-late"}, False), ({"rid-late", "rid-live"}, True), ({None}, True)])
 def test_a_claim_granted_after_its_prefetch_ended_is_not_held(owners, held):
-    claims = PendingClaims()
+    claims = ClaimLedger()
     assert claims.take_starting_in(["g0"], "rid-late") == []  # the prefetch ended before the grant came
-    assert claims.add(Pending(conf=Lease(5.0), page_hexes=["g0", "g1"], owners=set(owners))) is held
+    assert claims.add(HeldClaim(conf=Lease(5.0), page_hexes=["g0", "g1"], owners=set(owners))) is held
     assert len(claims) == int(held)
 
 
 def test_a_request_prefetching_again_under_the_same_id_gets_its_grants_held():
     # SGLang retries a prefetch (and re-prefetches a retracted request) under the same rid.
-    claims = PendingClaims()
+    claims = ClaimLedger()
     claims.take_starting_in(["r0"], "rid-retry")  # the first prefetch ended
     claims.started("rid-retry")                   # the retry's hit query begins
-    assert claims.add(Pending(conf=Lease(5.0), page_hexes=["r0"], owners={"rid-retry"}))
+    assert claims.add(HeldClaim(conf=Lease(5.0), page_hexes=["r0"], owners={"rid-retry"}))

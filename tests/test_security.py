@@ -161,7 +161,7 @@ def test_a_key_directory_secures_a_runner_and_its_clients(runner_factory, tmp_pa
     import subprocess
     import sys
 
-    from kvcr import keys
+    from kvcr import curve_keys as keys
     from tests.conftest import ROOT
 
     directory = tmp_path / "keys"
@@ -237,7 +237,7 @@ def test_the_router_follows_a_runners_curve_events_only_with_the_deployment_keys
 def test_a_client_with_a_keypair_of_its_own_is_admitted_until_its_key_file_is_removed(runner_factory, tmp_path):
     import os
 
-    from kvcr import keys
+    from kvcr import curve_keys as keys
     from tests.conftest import ROOT
 
     run = lambda *args, **env: subprocess.run([sys.executable, "-m", "kvcr.cli", *map(str, args)], cwd=ROOT,

@@ -48,7 +48,7 @@ __all__ = ["Confirmation", "PeerError", "PeerSource", "PullResult", "Puller", "R
 @dataclass
 class Confirmation:
     """A claim held at a source for the leading `num_pages` of a request's pages. It has one owner
-    at a time (the thread that delivers or releases it; PendingClaims hands it over under its
+    at a time (the thread that delivers or releases it; ClaimHolder hands it over under its
     lock): its pull is not guarded against two threads."""
 
     source: PeerSource

@@ -26,7 +26,7 @@ from .local_control import LocalConnection, LocalListener, PeerClosed
 from .wakeup import Waker
 
 if TYPE_CHECKING:
-    from ..pulls import PeerPulls
+    from ..peer_pulls import PeerPulls
     from .zmq_curve import CurveGate
     from ..runner.dram import Runner
     from ..runner.lower import LowerTier

@@ -15,7 +15,7 @@ import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 from ..config import CurveKeys
-from ..keys import client_keys
+from ..curve_keys import client_keys
 
 
 def secure_client(sock: zmq.Socket, curve: CurveKeys | None) -> None:

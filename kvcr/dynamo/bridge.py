@@ -26,7 +26,7 @@ import aiohttp
 
 from ..client import fetch_info
 from ..config import CurveKeys
-from ..keys import client_http_token
+from ..curve_keys import client_http_token
 from ..proto.hints import KVCR_WORKER_KEY, WORKER_TYPES, HintError, dynamo_advertisement, parse_envelope
 from .feed import FeedRelay
 from .requests import BridgeRequestError, StreamDecoder, generate_body

@@ -16,7 +16,7 @@ from ..proto.announce import Announce, announce_request
 from ..proto.hints import FetchHint
 from ..proto.keys import U64_MASK, request_page_hashes
 from ..proto.pool import PoolError
-from ..pulls import PeerPulls
+from ..peer_pulls import PeerPulls
 from ..runner import TIER_DRAM, TIER_NVME, Runner
 from .model import KV, TinyLM, pack_pages, unpack_pages
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvcr.client import fetch_info
 from kvcr.config import CurveKeys
-from kvcr.keys import client_http_token
+from kvcr.curve_keys import client_http_token
 from kvcr.client import ControlClient, ControlError
 from kvcr.proto import messages as m
 

@@ -79,7 +79,7 @@ def test_a_tenants_pages_stay_in_its_namespace_in_dynamo_and_its_own_salt_pulls_
 def test_a_worker_with_keys_hands_them_to_its_bridge_which_follows_its_curve_events(dynamo, tmp_path):
     """With `runner.keys_dir` the runner's events, replay and control speak CURVE: the worker gives
     its bridge the deployment keys, so Dynamo still learns every page it stores."""
-    from kvcr import keys
+    from kvcr import curve_keys as keys
 
     keys.init(tmp_path / "keys")
     fe = dynamo.frontend()
