@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, wait_until
+from tests.helpers import ROOT, wait_until
 
 BLOCK = 16
 

@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvcr.proto.keys import page_hashes  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_dram_pool_bench_runs_and_checks_its_bytes():

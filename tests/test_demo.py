@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 SMALL = ["--workers", "2", "--conversations", "4", "--turns", "3", "--layers", "2", "--hidden", "64", "--no-live"]
 # `--engine sglang` in its CI size: 2 engines (and the reference), 12 requests

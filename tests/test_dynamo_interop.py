@@ -7,7 +7,7 @@ import pytest
 
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.dynamo import Registration, free_port, registered_runner
 from tests.pages import BLOCK, pages_for
 

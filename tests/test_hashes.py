@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvcr.proto import keys, tokenhash
-from tests.conftest import vectors
+from tests.helpers import vectors
 
 pytestmark = pytest.mark.pure
 

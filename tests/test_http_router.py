@@ -10,7 +10,7 @@ import pytest
 from router_hints.http.config import RouterConfigError, parse_router_config
 from router_hints.http.front import strip_client_hints
 from tests.cluster import http, router, worker
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 PROMPT = "Every inference worker keeps KV pages in a local DRAM pool and an NVMe tier. " * 6
 

@@ -175,3 +175,10 @@ def test_a_pure_test_that_starts_a_process_or_opens_a_socket_fails():
         subprocess.Popen(["true"])
     with pytest.raises(AssertionError, match="opened a socket"):
         socket.socket()
+
+
+def test_tests_share_helpers_through_helper_modules_never_through_conftest_or_another_test():
+    offending = [f"{path.relative_to(ROOT)} imports {mod}" for path in sorted((ROOT / "tests").rglob("*.py"))
+                 for mod in sorted(imported_modules(path))
+                 if mod.startswith("tests.") and mod.rsplit(".", 1)[-1].startswith(("conftest", "test_"))]
+    assert offending == []

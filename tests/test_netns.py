@@ -21,7 +21,7 @@ from kvcr.config import CurveKeys
 from kvcr.proto import messages as m
 from kvcr.demo.procs import Child, stop_all
 from tests.cluster import SMALL_MODEL, http, router
-from tests.conftest import ROOT, RunnerProcess, wait_until
+from tests.helpers import ROOT, RunnerProcess, wait_until
 from tests import netns
 from tests.netns import destroy_hosts, make_hosts, unavailable
 from tests.pages import pages_for

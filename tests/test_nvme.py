@@ -12,7 +12,7 @@ from kvcr.drivers.nvme import FORMAT_VERSION, DiskError, hicache_suffix
 from kvcr.proto.events import BlockRemoved, BlockStored
 from kvcr.proto.keys import Namespace
 from kvcr.runner import open_store
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.nvme_tier import BLOCK, NS, PAGE, Tier, chain
 
 def test_pages_round_trip_with_hicache_file_names_and_a_versioned_format(tmp_path):

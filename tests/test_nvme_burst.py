@@ -12,7 +12,7 @@ from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto.announce import announce_request
 from kvcr.proto.events import BlockStored
 from kvcr.proto.keys import request_page_hashes
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 BLOCK = 16
 PAGE = 65536

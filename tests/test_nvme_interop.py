@@ -9,7 +9,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.nvme_tier import NS, PAGE, Tier, chain
 
 

@@ -14,56 +14,10 @@ import pytest
 from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.proto import messages as m
 from kvcr.proto.pull import PeerError
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.pages import pages_for
-
-PAGE = 64 * 1024
-POOLS = [{"name": "kv", "page_bytes": PAGE}]
-
-
-def start_pair(runner_factory, b_overrides=None, a_overrides=None):
-    a = runner_factory("a", **{"dram.pools": POOLS, **(a_overrides or {})})
-    b = runner_factory("b", **{"dram.pools": POOLS, "runner.peers": ["*"], **(b_overrides or {})})
-    return a, a.start(), b, b.start()
-
-
-def store(info, n, seed=0, upto=None):
-    keys, ann, data = pages_for(n, seed=seed, page_bytes=PAGE)
-    with ControlClient(info["endpoints"]["control"]) as client:
-        writer = AttachedWriter(client)
-        writer.put("kv", keys[:upto], data[:upto], ann[:upto])
-        writer.close()
-    return keys, ann, data
-
-
-def read(info, keys):
-    with ControlClient(info["endpoints"]["control"]) as client:
-        writer = AttachedWriter(client)
-        try:
-            return writer.get("kv", keys)
-        finally:
-            writer.close()
-
-
-def claims_held(info) -> float:
-    text = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvcr_claims_held "))
-
-
-def no_claims_left(info):
-    # A release that finished inside the lease is sent without waiting: it lands a moment later.
-    wait_until(lambda: claims_held(info) == 0, 5, 0.02, "the source holds no claims")
-
-
-def pull(info, source_info, keys, timeout_s=30.0):
-    with ControlClient(info["endpoints"]["control"], timeout_s=timeout_s) as client:
-        return client.request(m.Pull(source_endpoint=source_info["endpoints"]["control"], pool="kv",
-                                     keys=keys)).num_local
-
-
-def wait_registered(info):
-    with ControlClient(info["endpoints"]["control"]) as client:
-        wait_until(lambda: client.info()["ucx"]["rkeys"], 10, 0.05, "UCX registration")
+from tests.peers import (PAGE, POOLS, buffers, claims_held, no_claims_left, pull, read, source, start_pair, store,
+                         wait_registered)
 
 
 def test_a_runner_pulls_pages_it_lacks_byte_for_byte_and_the_source_keeps_no_claim(runner_factory):
@@ -124,17 +78,6 @@ def test_an_untrusted_source_is_refused(runner_factory):
 
 
 # --- the destination side in this process: stalls, kills, cancels ------------------------------------
-
-def buffers(n, fill=0xAB):
-    raw = ctypes.create_string_buffer(bytes([fill]) * (n * PAGE))
-    return raw, [ctypes.addressof(raw) + i * PAGE for i in range(n)]
-
-
-def source(runner_factory, **overrides):
-    a = runner_factory("a", **{"dram.pools": POOLS, **overrides})
-    ai = a.start()
-    wait_registered(ai)
-    return a, ai
 
 
 def test_a_destination_that_stalls_past_its_lease_never_delivers_reused_bytes(runner_factory, puller):

@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from sglang_adapter.peer_directory import Origin, PeerDirectory, PeerDirectoryError, open_private, resolve
-from tests.conftest import runner_info as _info
+from tests.helpers import runner_info as _info
 
 
 def _leave_entry(directory, name: str, origin: Origin, control: str = "tcp://127.0.0.1:5603") -> None:

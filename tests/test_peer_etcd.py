@@ -10,13 +10,13 @@ from kvcr.drivers.etcd import b64, call, prefix_end
 from kvcr.dynamo.local import free_port
 from sglang_adapter.config import AdapterConfigError, parse_adapter_config
 from sglang_adapter.peer_etcd import EtcdError, EtcdPeers
-from tests.conftest import runner_info, wait_until
+from tests.helpers import runner_info, wait_until
 
 # A registry in a process of its own, killed as an engine is: nothing revokes its lease.
 REGISTER = """
 import sys, time
 from sglang_adapter.peer_etcd import EtcdPeers
-from tests.conftest import runner_info
+from tests.helpers import runner_info
 EtcdPeers(sys.argv[1], ttl_s=2).join(runner_info("tcp://127.0.0.1:5609", "killed"))
 print("joined", flush=True)
 time.sleep(600)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcr.client import ControlClient
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 

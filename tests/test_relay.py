@@ -9,7 +9,7 @@ from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcr.proto.relay import EngineMirror
 from kvcr.drivers.zmq_subscriber import Delivery, Subscriber
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.engine_stream import FakeEngine
 from tests.pages import BLOCK, pages_for
 

@@ -11,7 +11,7 @@ from router_hints.replay.caches import BlockLRU
 from router_hints.replay.live import simulated_cluster
 from router_hints.replay.sim import SimConfig, Simulation, simulate
 from router_hints.replay.trace import TraceError, TraceRequest, parse_lines
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 BLOCK = 512
 

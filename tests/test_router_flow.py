@@ -8,7 +8,7 @@ from kvcr.client import AttachedWriter, ControlClient
 from kvcr.proto import messages as m
 from router_hints.core import RouterCore
 from router_hints.discovery import DiscoveryError, fetch_runner, from_sglang_server_info
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.pages import BLOCK, pages_for
 
 PAGE = 64 * 1024

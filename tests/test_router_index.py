@@ -15,7 +15,7 @@ from kvcr.proto.keys import to_u64
 from kvcr.proto.pool import coalesce_announces
 from router_hints.index import InventoryIndex, Overlap
 from router_hints.scoring import CostModel, Load, choose, choose_source, cost
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 BLOCK = 16
 

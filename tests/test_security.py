@@ -16,7 +16,7 @@ import zmq
 from kvcr.client import AttachedWriter, ControlClient
 from kvcr.config import ConfigError, CurveKeys, check_hint_sources, load_config
 from kvcr.proto import messages as m
-from tests.conftest import ROOT, wait_until
+from tests.helpers import ROOT, wait_until
 from tests.pages import pages_for
 
 PAGE = 64 * 1024
@@ -137,7 +137,7 @@ def test_the_cli_speaks_curve_with_the_deployment_keys_from_its_environment(runn
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     keys_cfg, _ = curve_pair
     info = runner_factory("a", **{"dram.pools": POOLS, **keys_cfg}).start()
@@ -162,7 +162,7 @@ def test_a_key_directory_secures_a_runner_and_its_clients(runner_factory, tmp_pa
     import sys
 
     from kvcr import curve_keys as keys
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     directory = tmp_path / "keys"
     run = lambda *args, **env: subprocess.run([sys.executable, "-m", "kvcr.cli", *args], cwd=ROOT, capture_output=True,
@@ -238,7 +238,7 @@ def test_a_client_with_a_keypair_of_its_own_is_admitted_until_its_key_file_is_re
     import os
 
     from kvcr import curve_keys as keys
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     run = lambda *args, **env: subprocess.run([sys.executable, "-m", "kvcr.cli", *map(str, args)], cwd=ROOT,
                                               capture_output=True, text=True, timeout=60, env={**os.environ, **env})
@@ -321,7 +321,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("attacker", ["same user over TCP", "another user"])
 def test_a_keyless_runners_tcp_socket_hands_nothing_that_reads_or_writes_its_pages(runner_factory, attacker):
-    from tests.test_peer import pull, read, start_pair, store, wait_registered
+    from tests.peers import pull, read, start_pair, store, wait_registered
 
     if attacker == "another user" and os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")

@@ -19,7 +19,7 @@ from kvcr.proto import messages as m
 from kvcr.proto.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcr.selfcheck import run_selfcheck
 from kvcr.drivers.zmq_subscriber import Delivery, Notice, Subscriber
-from tests.conftest import ROOT, wait_until
+from tests.helpers import ROOT, wait_until
 from tests.pages import BLOCK, pages_for
 
 def collect(sub, until, timeout_s=10.0):

@@ -32,7 +32,7 @@ from kvcr.proto.hints import build_envelope  # noqa: E402
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64, page_hashes  # noqa: E402
 from sglang_adapter import hooks  # noqa: E402
 from sglang_adapter.launch_server import DYNAMIC, TIMEOUTS, LaunchError, main, rewrite_args  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 
 hooks.install()
 

@@ -15,7 +15,7 @@ from kvcr.proto import messages as m  # noqa: E402
 from kvcr.proto.hints import build_envelope  # noqa: E402
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64  # noqa: E402
 from sglang_adapter.layout import PageLayout  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 
 SIDECAR = {"backend_name": "kvcr", "module_path": "sglang_adapter.sidecar", "class_name": "KVCRSidecarStorage",
            "interface_v1": 1}

@@ -9,7 +9,7 @@ import pytest
 
 from kvcr.client import ControlClient
 from kvcr.proto import messages as m
-from tests.test_peer import PAGE, POOLS, buffers, no_claims_left, source, store, wait_registered
+from tests.peers import PAGE, POOLS, buffers, no_claims_left, source, store, wait_registered
 
 RECOVERY_S = 1.0  # the promise: every pull starting this long after the first answer succeeds
 

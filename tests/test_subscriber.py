@@ -11,7 +11,7 @@ import zmq
 
 from router_hints.core import RouterCore
 from router_hints.discovery import Publisher
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.pure
 

@@ -14,8 +14,8 @@ from kvcr.dynamo.model_dir import write_model_dir
 from kvcr.proto.announce import announce_request
 from kvcr.proto.events import MEDIUM_DISK, MEDIUM_DRAM
 from kvcr.dynamo.local import free_port
-from tests.dynamo_live.conftest import MODEL, NAMESPACE, TOKENIZER, prompt, wait_for
-from tests.dynamo_live.conftest import full_blocks as blocks
+from tests.dynamo_live.helpers import MODEL, NAMESPACE, TOKENIZER, prompt, wait_for
+from tests.dynamo_live.helpers import full_blocks as blocks
 from tests.pages import pages_for
 
 CONVERGE_S = 10  # the issue's bound: Dynamo's view matches the runner within 10 s
@@ -177,7 +177,7 @@ def test_a_kvcr_router_follows_the_workers_registered_in_dynamos_etcd(dynamo, dy
     bridge deregisters leaves."""
     from kvcr.demo.procs import Child
     from tests.cluster import http
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     dynamo.worker("wa")
     wb = dynamo.worker("wb")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kvcr.demo.httpc import http
-from tests.dynamo_live.conftest import (BLOCK, MODEL, TOKENIZER, busy, first_holder, full_blocks, prompt, salted,
+from tests.dynamo_live.helpers import (BLOCK, MODEL, TOKENIZER, busy, first_holder, full_blocks, prompt, salted,
                                         wait_for)
 
 

@@ -8,7 +8,7 @@ import signal
 from kvcr.demo.httpc import http
 from kvcr.proto.announce import announce_request
 from kvcr.proto.hints import build_envelope
-from tests.dynamo_live.conftest import BLOCK, MODEL, TOKENIZER, busy, first_holder, full_blocks, prompt, wait_for
+from tests.dynamo_live.helpers import BLOCK, MODEL, TOKENIZER, busy, first_holder, full_blocks, prompt, wait_for
 
 LEASE_S = 10  # runner.lease_seconds: a claim granted after its puller gave up ends by then
 

@@ -15,7 +15,7 @@ import pytest
 from kvcr.demo.httpc import http
 from kvcr.dynamo.launch import BridgeOptions, dynamo_python, start_bridge, stop_process
 from tokenizers import Tokenizer
-from tests.dynamo_live.conftest import BLOCK, wait_for
+from tests.dynamo_live.helpers import BLOCK, wait_for
 
 pytestmark = pytest.mark.live_sglang
 

@@ -9,6 +9,7 @@ import pytest
 
 from sglang_adapter.cpu_harness.model import build_mla_model, build_model
 from sglang_adapter.cpu_harness.server import LiveServer
+from tests.sglang_live.helpers import metric
 
 pytestmark = pytest.mark.live_sglang
 
@@ -75,7 +76,7 @@ def flush(server: LiveServer, timeout_s: float = 30.0) -> None:
 def serve(server: LiveServer, text: str, timeout_s: float = 30.0, **extra) -> dict:
     """generate, then wait until the engine backed this prompt's full pages up into its runner
     (pages it did not hold before: a runner shared by earlier tests already holds others)."""
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     before = set(server.stored_hashes())
     answer = generate(server, text, **extra)
@@ -99,7 +100,7 @@ def pulls_again(source: LiveServer, puller: LiveServer, text: str) -> None:
     """`source` (restarted) serves `text`; `puller`, flushed, then pulls all its full pages on a hint
     and answers as the source did; the source ends with no claim."""
     from kvcr.proto.hints import build_envelope
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     at_source = serve(source, text)
     envelope = build_envelope(source.endpoints["control"], source.stored_hashes())
@@ -115,24 +116,6 @@ def pulls_again(source: LiveServer, puller: LiveServer, text: str) -> None:
                message=f"{source.name} holds no claim")
 
 
-def kvcr_router(tmp: Path, tokenizer: Path, workers: list[dict], **router_keys):
-    """A started, ready `kvcr router` in front of live engines (`workers`: its [[workers]] entries)."""
-    import json
-
-    from kvcr.demo.procs import Child
-
-    config = tmp / "router.json"
-    config.write_text(json.dumps({"router": {"port": 0, "block_size": 16, "tokenizer": str(tokenizer), **router_keys},
-                                  "workers": workers}))
-    front = Child(tmp, "router", ["router", "--config", str(config)]).start()
-    try:
-        front.wait_ready(120)
-    except BaseException:
-        front.stop()
-        raise
-    return front
-
-
 @pytest.fixture
 def live():
     """The helpers live tests share (generate, serve, logprobs, flush, scheduler, pulls_again)."""
@@ -144,9 +127,3 @@ def live():
     return h
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """A value from Prometheus text: the sum over the samples carrying `labels` (which must exist)."""
-    from kvcr.demo.sglang_driver import metric as summed
-
-    assert any(line.startswith(name) for line in text.splitlines()), f"metric {name} missing"
-    return summed(text, name, **labels)

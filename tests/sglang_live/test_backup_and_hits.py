@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from kvcr.proto.events import BlockStored, decode_frames
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import metric
 from sglang_adapter.cpu_harness.model import prompt_text
 from sglang_adapter.cpu_harness.server import free_port
 

@@ -15,8 +15,8 @@ import pytest
 from kvcr.proto.hints import build_envelope
 from sglang_adapter.cpu_harness.model import prompt_text
 from sglang_adapter.cpu_harness.server import free_port
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import metric
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

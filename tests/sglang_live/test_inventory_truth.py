@@ -19,8 +19,8 @@ from kvcr.proto.events import BlockStored
 from kvcr.proto.keys import U64_MASK
 from kvcr.text import TextTokenizer
 from sglang_adapter.cpu_harness.model import prompt_text
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import kvcr_router, metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import kvcr_router, metric
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

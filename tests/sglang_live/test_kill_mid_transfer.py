@@ -17,8 +17,8 @@ import pytest
 
 from kvcr.proto.hints import build_envelope
 from sglang_adapter.cpu_harness.model import prompt_text
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import metric
 
 pytestmark = [pytest.mark.live_sglang,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="tc on lo needs root")]

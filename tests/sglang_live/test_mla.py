@@ -10,8 +10,8 @@ from kvcr.client import ControlClient
 from kvcr.proto.events import BlockStored
 from kvcr.proto.hints import build_envelope
 from sglang_adapter.cpu_harness.model import MLA_PAGE_BYTES, prompt_text
-from tests.conftest import RunnerProcess, wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import RunnerProcess, wait_until
+from tests.sglang_live.helpers import metric
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

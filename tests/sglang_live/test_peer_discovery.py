@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from sglang_adapter.cpu_harness.model import prompt_text
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import metric
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

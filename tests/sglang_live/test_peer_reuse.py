@@ -9,8 +9,8 @@ import pytest
 from kvcr.client import ControlClient
 from kvcr.proto import messages as m
 from kvcr.proto.hints import build_envelope
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import metric
 from sglang_adapter.cpu_harness.model import prompt_text
 
 pytestmark = pytest.mark.live_sglang

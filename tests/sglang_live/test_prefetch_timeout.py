@@ -10,8 +10,8 @@ import pytest
 
 from kvcr.proto.hints import build_envelope
 from sglang_adapter.cpu_harness.model import prompt_text
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import metric
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import metric
 
 pytestmark = pytest.mark.live_sglang
 # SGLang's deadline: 0.5 s + 0.05 s per 1024 tokens; kvcr's own wait for a claim is far longer.

@@ -16,8 +16,8 @@ import pytest
 from kvcr.demo.httpc import http
 from sglang_adapter.cpu_harness.model import prompt_text
 from sglang_adapter.cpu_harness.server import ROOT, harness_env
-from tests.conftest import wait_until
-from tests.sglang_live.conftest import kvcr_router
+from tests.helpers import wait_until
+from tests.sglang_live.helpers import kvcr_router
 
 pytestmark = pytest.mark.live_sglang
 ARGS = ["--enable-cache-report"]

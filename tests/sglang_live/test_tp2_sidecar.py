@@ -9,7 +9,7 @@ import pytest
 from kvcr.client import ControlClient
 from kvcr.proto.events import BlockStored
 from sglang_adapter.cpu_harness.model import prompt_text
-from tests.conftest import RunnerProcess, wait_until
+from tests.helpers import RunnerProcess, wait_until
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16

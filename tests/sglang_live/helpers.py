@@ -1,0 +1,32 @@
+"""What live SGLang tests import besides fixtures: a metric from Prometheus text, a `kvcr router`
+in front of live engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def kvcr_router(tmp: Path, tokenizer: Path, workers: list[dict], **router_keys):
+    """A started, ready `kvcr router` in front of live engines (`workers`: its [[workers]] entries)."""
+    import json
+
+    from kvcr.demo.procs import Child
+
+    config = tmp / "router.json"
+    config.write_text(json.dumps({"router": {"port": 0, "block_size": 16, "tokenizer": str(tokenizer), **router_keys},
+                                  "workers": workers}))
+    front = Child(tmp, "router", ["router", "--config", str(config)]).start()
+    try:
+        front.wait_ready(120)
+    except BaseException:
+        front.stop()
+        raise
+    return front
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """A value from Prometheus text: the sum over the samples carrying `labels` (which must exist)."""
+    from kvcr.demo.sglang_driver import metric as summed
+
+    assert any(line.startswith(name) for line in text.splitlines()), f"metric {name} missing"
+    return summed(text, name, **labels)
