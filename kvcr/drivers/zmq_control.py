@@ -360,10 +360,7 @@ class ControlServer:
         registered = self.plane.registered if self.plane is not None else None
         grant = self.runner.grant(msg.pool, self._keys(msg.pool, msg.keys), owner=owner, lease_s=msg.lease_s or None,
                                   digests=msg.digests, registered=registered)
-        claim = grant.claim
-        return m.Granted(claim_id=claim.claim_id, offsets=list(grant.offsets),
-                         generations=[p.generation for p in claim.pages], lease_s=claim.lease_s,
-                         digests=list(grant.digests), announces=list(grant.announces))
+        return grant.reply
 
     def _check_namespace(self, pool: str, theirs: dict) -> None:
         """Same page hash, other namespace = other bytes: refuse, naming both values."""
@@ -375,11 +372,10 @@ class ControlServer:
             raise m.ProtocolError(f"namespace mismatch on pool {pool!r}: " + "; ".join(diff), code="namespace")
 
     def _on_renew(self, msg: m.Renew, owner: str) -> m.Message:
-        return m.Renewed(lease_s=self.runner.renew(msg.claim_id, owner=owner).lease_s)
+        return self.runner.renew(msg.claim_id, owner=owner)
 
     def _on_release(self, msg: m.ReleaseRequest, owner: str) -> m.Message:
-        released = self.runner.release(msg.claim_id, owner=owner, drop=msg.drop)
-        return m.Released(live=list(released.live))
+        return self.runner.release(msg.claim_id, owner=owner, drop=msg.drop).reply
 
     def _on_send_pages(self, msg: m.SendPages, owner: str) -> m.Message:
         """Two-sided fallback: send claimed pages, and nothing else, to the puller's worker."""

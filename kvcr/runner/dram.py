@@ -23,12 +23,14 @@ import xxhash
 from ..config import Config
 from ..drivers.shm import Region, host_id, region_name
 from ..proto.announce import Announce
-from ..proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill, Release
+from ..proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill
 from ..proto.disk_index import DiskStats
 from ..proto.events import AllBlocksCleared, Event
 from ..proto.keys import Namespace, StorageKey, storage_keys
 from ..proto.pool import Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
+from ..proto import messages as m
 from ..proto.relay import RelayStep
+from ..proto.source import ClaimSource, Released
 from .lower import DramSide, LowerTier, NoLowerTier, TieringStatistics
 
 
@@ -70,9 +72,7 @@ class RunnerStatistics:
 @dataclass(frozen=True, slots=True)
 class Grant:
     claim: Claim
-    offsets: tuple[int, ...]  # in the region, per claimed page
-    digests: tuple[int, ...]  # commit digests, when asked for
-    announces: tuple          # per claimed page: Announce.to_wire() or None
+    reply: m.Granted  # what the peer is told: region offsets, generations, lease, announces, digests
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +134,7 @@ class Runner:
                       for p in self.layouts.values()}
         self.claims = ClaimTable(max_claim_fraction=cfg.dram.max_claim_fraction,
                                  max_claims_per_owner=cfg.runner.max_claims_per_peer)
+        self.source = ClaimSource(self.claims, default_lease_s=cfg.runner.lease_seconds)  # peers' claims
         self.lock = threading.RLock()
         self._publish = publish or (lambda events: 0)
         # Told our own events before they go out; what it returns follows them in the same batch
@@ -304,8 +305,7 @@ class Runner:
         self._lower.complete_run(pool, keys)
         with self.lock:
             p = self.pool(pool)
-            claim = self.claims.claim(p, keys, owner=owner, lease_s=lease_s or self.cfg.runner.lease_seconds,
-                                      now=self.clock())
+            claim = self.source.claim(p, keys, owner=owner, lease_s=lease_s, now=self.clock())
             self.hits += len(claim.pages)
             self.misses += len(keys) - len(claim.pages)
             return claim
@@ -319,12 +319,12 @@ class Runner:
         try:
             if len(claim.pages) < len(keys):
                 self._count_unheld(pool, keys[len(claim.pages):])
-            offsets = tuple(self.offset(pool, p.slot) for p in claim.pages)
-            size = self.layouts[pool].page_bytes
-            if registered is not None and not registered(offsets, size):
+            layout = self.layouts[pool]
+            reply = self.source.granted(claim, lambda p: layout.offset + p.slot * layout.stride,
+                                        digest=(lambda p: self.page_digest(pool, p)) if digests else None)
+            if registered is not None and not registered(reply.offsets, layout.page_bytes):
                 raise Busy("these pages are not registered for peers yet; retry shortly")
-            sums = tuple(self.page_digest(pool, p) for p in claim.pages) if digests else ()
-            return Grant(claim, offsets, sums, tuple(p.announce.to_wire() if p.announce else None for p in claim.pages))
+            return Grant(claim, reply)
         except BaseException:
             if claim.pages:  # no answer, no claim
                 self.release(claim.claim_id, owner=owner)
@@ -340,20 +340,19 @@ class Runner:
             self.unheld["evicted"] += evicted
             self.unheld["never_held"] += len(absent) - evicted
 
-    def renew(self, claim_id: int, *, owner: str = "local") -> Claim:
+    def renew(self, claim_id: int, *, owner: str = "local") -> m.Renewed:
         with self.lock:
-            return self.claims.renew(claim_id, owner=owner, now=self.clock())
+            return self.source.renew(claim_id, owner=owner, now=self.clock())
 
-    def release(self, claim_id: int, *, owner: str = "local", drop: int = 0) -> Release:
+    def release(self, claim_id: int, *, owner: str = "local", drop: int = 0) -> Released:
         """End a claim. `drop` (move mode): remove, in every tier, the first `drop` claimed pages
         that stayed live (the ones the puller verifiably received)."""
         with self.lock:
             claim = self.claims.peek(claim_id)
-            result = self.claims.release(claim_id, owner=owner)
+            result = self.source.release(claim_id, owner=owner, drop=drop)
             self.flush_events()
-        if drop > 0 and claim is not None:
-            moved = [p.key for p, live in zip(claim.pages[:drop], result.live) if live]
-            self.remove(claim.pool.name, moved)
+        if result.moved:
+            self.remove(claim.pool.name, list(result.moved))
         return result
 
     def quarantine(self, fill_id: int) -> int:
@@ -483,7 +482,7 @@ class Runner:
     def expire(self) -> list[int]:
         """End the claims and fills whose lease ran out; returns the ids of those that ended."""
         with self.lock:
-            gone = self.claims.expire(self.clock(), writer_alive=_pid_alive)
+            gone = self.source.expire(self.clock(), writer_alive=_pid_alive)
             self.flush_events()
         return gone
 
