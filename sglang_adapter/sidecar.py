@@ -27,6 +27,7 @@ from kvcr.proto.keys import Namespace
 
 from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
+from .lookup import ConfirmedLookup, LookupFailed
 from .layout import KeyLayout, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, HintedRequest
 from .hint_source import request_hint_source, request_hints
@@ -37,7 +38,7 @@ POOL = "kv"
 SHARD_LEASE_S = 30.0  # every rank's backup of a batch must land within this, or the pages are dropped
 
 
-class KVCRSidecarStorage(HiCacheStorage):
+class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.cfg = parse_adapter_config(storage_config.extra_config)
         if not self.cfg.sidecar:
@@ -93,28 +94,25 @@ class KVCRSidecarStorage(HiCacheStorage):
 
     # --- lookups -----------------------------------------------------------------------------
 
-    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        if self._claims is not None:
-            self._claims.expire()
-        client = self.writer.client
+    def _held_here(self, keys: list[str]) -> int:
         try:
-            tiers = client.request(m.Lookup(pool=POOL, keys=list(keys))).tiers
-            local = next((i for i, t in enumerate(tiers) if t == 0), len(keys))
-            if local == len(keys):
-                return local
-            owner = hooks.current_request()
-            if self._claims is not None:
-                confirmed = self._claims.covered(keys, local, owner)
-                if confirmed > local:
-                    return confirmed
-            hinted = request_hints(extra_info)
-            if hinted is not None and self.cfg.use_request_hints:
-                return self._confirm(keys, local, hinted, owner)
-            # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
-            return local + client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
+            tiers = self.writer.client.request(m.Lookup(pool=POOL, keys=list(keys))).tiers
         except (ControlError, TimeoutError) as exc:
-            log.warning("kvcr sidecar lookup failed: %s", exc)
-            return 0
+            raise LookupFailed(f"sidecar {self.cfg.sidecar}: {exc}") from None
+        return next((i for i, t in enumerate(tiers) if t == 0), len(keys))
+
+    def _claim_holder(self) -> ClaimHolder | None:
+        return self._claims
+
+    def _claim_beyond(self, keys: list[str], local: int, owner: str | None, extra_info) -> int:
+        hinted = request_hints(extra_info)
+        if hinted is not None and self.cfg.use_request_hints:
+            return self._confirm(keys, local, hinted, owner)
+        # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
+        try:
+            return local + self.writer.client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
+        except (ControlError, TimeoutError) as exc:
+            raise LookupFailed(f"sidecar {self.cfg.sidecar}: {exc}") from None
 
     def _confirm(self, keys: list[str], local: int, hinted: HintedRequest, owner: str | None) -> int:
         """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim);
@@ -139,9 +137,6 @@ class KVCRSidecarStorage(HiCacheStorage):
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
         if self._claims is not None:
             self._claims.prefetch_ended(keys, request_id)
-
-    def exists(self, key) -> bool:
-        return self.batch_exists([key]) == 1
 
     # --- zero-copy interface -------------------------------------------------------------------
 

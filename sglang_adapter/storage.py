@@ -38,6 +38,7 @@ from kvcr.service import Service
 
 from . import hooks
 from .config import parse_adapter_config
+from .lookup import ConfirmedLookup
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, plain_key_events, restorable
 from . import peer_directory
@@ -66,7 +67,7 @@ def _pool_name(name) -> str:
     return name.value if isinstance(name, Enum) else str(name)
 
 
-class KVCRStorage(HiCacheStorage):
+class KVCRStorage(ConfirmedLookup, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = storage_config.extra_config or {}
         self.cfg = parse_adapter_config(extra)  # AdapterConfigError names a bad key
@@ -199,16 +200,16 @@ class KVCRStorage(HiCacheStorage):
     def _keys(self, keys: list[str], pool: str = POOL) -> list[str]:
         return self.runner.keys(pool, keys)
 
-    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        self._expire_pending()
+    def _held_here(self, keys: list[str]) -> int:
         tiers = self.runner.tiers(POOL, self._keys(keys))
-        local = next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
-        if local == len(keys) or self.claims is None:
+        return next((i for i, t in enumerate(tiers) if t == TIER_ABSENT), len(keys))
+
+    def _claim_holder(self) -> ClaimHolder | None:
+        return self.claims
+
+    def _claim_beyond(self, keys: list[str], local: int, owner: str | None, extra_info) -> int:
+        if self.claims is None:  # no UCX data plane: peers cannot be pulled from
             return local
-        owner = hooks.current_request()
-        confirmed = self.claims.covered(keys, local, owner)
-        if confirmed > local:
-            return confirmed  # asked again (another rank's query, a retry, a shared prefix): the claims stand
         source = self._source(keys, local, extra_info)
         if source is None:
             return local
@@ -429,9 +430,6 @@ class KVCRStorage(HiCacheStorage):
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
-
-    def exists(self, key) -> bool:
-        return self.batch_exists([key]) == 1
 
     # --- admin -------------------------------------------------------------------------------
 
