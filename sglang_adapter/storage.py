@@ -8,12 +8,10 @@ what arrived whole is reported). A claim SGLang never collects is given back aft
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -41,25 +39,14 @@ from .config import parse_adapter_config
 from .lookup import ConfirmedLookup
 from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, plain_key_events, restorable
-from . import peer_directory
-from .peer_directory import PeerDirectory, PeerDirectoryError
-from .peer_etcd import EtcdPeers
-from .peers import PeerFeed
+from .peering import Peering
+from .transfer_stats import TransferStats
 from .hint_source import request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
 POOL = "kv"
 
 hooks.install_if_launched()
-
-
-@dataclass
-class _Stats:
-    prefetch_pages: int = 0
-    backup_pages: int = 0
-    peer_pages: int = 0
-    prefetch_seconds: float = 0.0
-    backup_seconds: float = 0.0
 
 
 def _pool_name(name) -> str:
@@ -82,15 +69,13 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
         # Span mode (SGLang after 0.5.23): one storage key covers storage_page_size tokens.
         self.storage_page_size = getattr(storage_config, "storage_page_size", None)
         self.service: Service | None = None
-        self.peer_feed: PeerFeed | None = None
-        self.peer_dir: PeerDirectory | None = None
+        self.peering: Peering | None = None  # with the runner: our registry entry, the peers we follow
         self.layouts: dict[str, KeyLayout] = {}  # per host pool: what one key holds of it
         self.mem_pool_host = None
         self.claims: ClaimHolder | None = None  # with the runner's puller: the claims we take at peers
         self._start_lock = threading.Lock()
-        self._stats_lock = threading.Lock()
         self._chain: AnnounceChain | None = None  # made once the KV pool's page size is known
-        self.stats = _Stats()
+        self.stats = TransferStats()
 
     supports_page_spans = True  # the capability upstream's factory asks for before span mode
 
@@ -131,37 +116,8 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                 if self.service.pulls.puller is not None:  # claims we take outlive an uncollected prefetch
                     self.service.pulls.puller.lease_s = self.cfg.claim_lease_s
                     self.claims = ClaimHolder(self.service.pulls.puller)
-                self.peer_dir = self._join_peers(self.service.public_info())
-                if (self.cfg.peers or self.peer_dir is not None) and self.cfg.opportunistic:
-                    own = frozenset(p["namespace_digest"] for p in self.service.runner.info()["pools"])
-                    self.peer_feed = PeerFeed(list(self.cfg.peers), self.service.control.bound_endpoint,
-                                              self.service.cfg.curve(), directory=self.peer_dir,
-                                              namespaces=own).start()
-                    self.service.metrics.register(self.peer_feed)
+                self.peering = Peering.join(self.cfg, self.service)
             return self.service
-
-    def _join_peers(self, info: dict) -> PeerDirectory | EtcdPeers | None:
-        """Leave our runner's public info where the other engines look for peers: etcd, or this
-        host's peers directory."""
-        if self.cfg.peers_etcd:
-            registry = EtcdPeers(self.cfg.peers_etcd)
-            registry.join(info)
-            atexit.register(registry.leave)  # seldom run under SGLang: the lease ends the entry then
-            log.info("kvcr: peers found through etcd at %s", self.cfg.peers_etcd)
-            return registry
-        path = peer_directory.resolve(self.cfg.peers_dir)
-        if path is None:
-            return None
-        try:
-            directory = PeerDirectory(path)
-            directory.join(info)
-        except (PeerDirectoryError, OSError) as exc:
-            log.warning("kvcr: peers on this host are not discovered: %s", exc)
-            return None
-        # SGLang's exit seldom closes the backend; a killed engine's entry is dropped by its readers.
-        atexit.register(directory.leave)
-        log.info("kvcr: peers found through %s", path)
-        return directory
 
     def _runner_config(self):
         sc, kv = self.storage_config, next(iter(self.layouts.values())).page
@@ -231,9 +187,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             posted = self.pulls.hinted_source(events)
             if posted is not None:
                 return posted.endpoint, posted.num_pages
-        if self.peer_feed is not None:  # no hint: whoever announced the pages on its event stream
-            return self.peer_feed.best_source(events)
-        return None
+        return self.peering.best_source(events)  # no hint: whoever announced the pages on its event stream
 
     def _expire_pending(self) -> None:
         """Give back claims SGLang never collected (a prefetch that ended or was revoked)."""
@@ -259,7 +213,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
         pos = self.runner.lookup(POOL, self._keys(keys))
         while pos < len(keys) and self.claims is not None and (p := self.claims.take(keys, pos)) is not None:
             got = self.pulls.take_confirmed(p.conf, p.page_hexes)
-            self._count_peer(got)
+            self.stats.from_peers(got)
             if got < len(p.page_hexes):
                 break
             pos += got
@@ -288,7 +242,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             n = len(pages)
         if name == POOL and self.claims is not None:
             n += self._pull_confirmed(keys, segments, n)
-        self._count("prefetch", n, start)
+        self.stats.prefetched(n, start)
         return [i < n for i in range(len(keys))]
 
     def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
@@ -301,7 +255,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self._keep_pulled(keys[first:first + count], segments[first:first + count], announces)
 
         delivered = self.claims.deliver(keys, segments, n, self.layouts[POOL].segment_bytes, on_delivered=keep)
-        self._count_peer(delivered)
+        self.stats.from_peers(delivered)
         return delivered
 
     def _keep_pulled(self, keys: list[str], segments: list[list[int]], announces: list) -> None:
@@ -317,7 +271,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
         start = time.perf_counter()
         segments = self.layouts[name].key_segments(host_pool, host_indices, len(keys))
         ok = self._store(name, keys, segments, announces)
-        self._count("backup", len(keys), start)
+        self.stats.backed_up(len(keys), start)
         return [ok] * len(keys)
 
     def _store(self, name: str, keys: list[str], segments: list[list[int]], announces) -> bool:
@@ -387,20 +341,6 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self._chain = AnnounceChain(self.layouts[POOL].page.page_size, self.layouts[POOL].pages)
         return self._chain.announces(keys, extra_info.extra_info or {}, extra_info.prefix_keys)
 
-    def _count_peer(self, pages: int) -> None:
-        with self._stats_lock:
-            self.stats.peer_pages += pages
-
-    def _count(self, kind: str, pages: int, start: float) -> None:
-        elapsed = time.perf_counter() - start
-        with self._stats_lock:
-            if kind == "prefetch":
-                self.stats.prefetch_pages += pages
-                self.stats.prefetch_seconds += elapsed
-            else:
-                self.stats.backup_pages += pages
-                self.stats.backup_seconds += elapsed
-
     # --- byte-copy interface (no interface_v1) -----------------------------------------------
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
@@ -438,29 +378,15 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self.runner.clear(name)
 
     def get_stats(self):
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-
-        with self._stats_lock:
-            s, self.stats = self.stats, _Stats()
-        metrics = StorageMetrics()
-        metrics.prefetch_pgs.append(s.prefetch_pages)
-        metrics.backup_pgs.append(s.backup_pages)
-        page = self.layouts[POOL].bytes / 2**30
-        metrics.prefetch_bandwidth.append(s.prefetch_pages * page / s.prefetch_seconds if s.prefetch_seconds else 0)
-        metrics.backup_bandwidth.append(s.backup_pages * page / s.backup_seconds if s.backup_seconds else 0)
-        return metrics
+        return self.stats.report(self.layouts[POOL].bytes)
 
     def claims_pending(self) -> int:
         return len(self.claims) if self.claims is not None else 0
 
     def close(self) -> None:
-        if self.peer_feed is not None:  # first: it reads the registry we leave
-            self.peer_feed.close()
-            self.peer_feed = None
-        if self.peer_dir is not None:
-            self.peer_dir.leave()
-            atexit.unregister(self.peer_dir.leave)
-            self.peer_dir = None
+        if self.peering is not None:
+            self.peering.close()
+            self.peering = None
         if self.service is not None:
             if self.claims is not None:
                 self.claims.close()

@@ -206,7 +206,7 @@ def pulled_unhinted(a, pool_a, b, pool_b, first_token: int) -> None:
 
 
 def _followed(backend) -> dict[str, float]:
-    (blocks,) = backend.peer_feed.collect()
+    (blocks,) = backend.peering.feed.collect()
     return {s.labels["peer"]: s.value for s in blocks.samples}
 
 
@@ -239,7 +239,7 @@ def test_a_peers_dir_others_may_write_turns_discovery_off_and_says_why(backends,
     shared.mkdir()
     shared.chmod(0o777)
     backend = backends(mha_pool("page_first", page=PAGE), peers_dir=str(shared))
-    assert backend.peer_dir is None and backend.peer_feed is None
+    assert backend.peering.registry is None and backend.peering.feed is None
     assert "peers on this host are not discovered" in caplog.text and "writable by others" in caplog.text
     assert list(shared.iterdir()) == []
 
