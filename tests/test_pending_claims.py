@@ -115,3 +115,4 @@ def test_a_request_prefetching_again_under_the_same_id_gets_its_grants_held():
     claims.take_starting_in(["r0"], "rid-retry")  # the first prefetch ended
     claims.started("rid-retry")                   # the retry's hit query begins
     assert claims.add(HeldClaim(conf=Lease(5.0), page_hexes=["r0"], owners={"rid-retry"}))
+

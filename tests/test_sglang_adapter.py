@@ -301,3 +301,17 @@ def test_a_span_is_announced_as_its_engine_pages_continuing_the_chain(span):
         pool.remove([backend.runner.key("kv", keys[2])])
         removed = pool.take_events()[-1]
     assert list(removed.block_hashes) == [hash_str_to_int64(h) for h in engine[-SPAN:]]
+
+
+def test_sglangs_storage_metrics_report_the_window_since_the_last_report_then_start_afresh():
+    from sglang_adapter.transfer_stats import TransferStats
+
+    stats = TransferStats()
+    stats.prefetched(4, time.perf_counter() - 0.5)
+    stats.backed_up(2, time.perf_counter() - 1.0)
+    stats.from_peers(3)
+    first = stats.report(page_bytes=2**30)
+    assert (first.prefetch_pgs, first.backup_pgs) == ([4], [2])
+    assert 0 < first.prefetch_bandwidth[0] <= 8.0 and 0 < first.backup_bandwidth[0] <= 2.0  # GiB/s
+    second = stats.report(page_bytes=2**30)
+    assert (second.prefetch_pgs, second.backup_pgs, second.prefetch_bandwidth) == ([0], [0], [0])
