@@ -110,7 +110,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
             return self._confirm(keys, local, hinted, owner)
         # A hint the router posted to the sidecar: it pulls whole pages (every shard) for all ranks.
         try:
-            return local + self.writer.client.request(m.Pull(pool=POOL, keys=list(keys[local:]))).num_local
+            return local + self.writer.client.request(m.PullRequest(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
             raise LookupFailed(f"sidecar {self.cfg.sidecar}: {exc}") from None
 

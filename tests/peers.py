@@ -52,7 +52,7 @@ def no_claims_left(info):
 
 def pull(info, source_info, keys, timeout_s=30.0):
     with ControlClient(info["endpoints"]["control"], timeout_s=timeout_s) as client:
-        return client.request(m.Pull(source_endpoint=source_info["endpoints"]["control"], pool="kv",
+        return client.request(m.PullRequest(source_endpoint=source_info["endpoints"]["control"], pool="kv",
                                      keys=keys)).num_local
 
 

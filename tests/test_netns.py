@@ -94,7 +94,7 @@ def cluster(hosts, tmp_path, curve_keys):
 
 def pull(cluster, keys, timeout_s=60.0) -> int:
     with ControlClient(cluster["b"]["endpoints"]["control"], curve=cluster["curve"], timeout_s=timeout_s) as client:
-        return client.request(m.Pull(source_endpoint=cluster["a"]["endpoints"]["control"], pool="kv",
+        return client.request(m.PullRequest(source_endpoint=cluster["a"]["endpoints"]["control"], pool="kv",
                                      keys=keys)).num_local
 
 

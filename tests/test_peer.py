@@ -143,7 +143,7 @@ def test_a_posted_hint_names_the_source_and_move_mode_drops_the_source_copy(runn
         with pytest.raises(ControlError, match="non-empty list"):
             client.request(m.PostHint(envelope={**envelope, "actions": [{**envelope["actions"][0], "payload": {
                 "source_control_endpoint": "tcp://x:1", "block_hashes": []}}]}))
-        assert client.request(m.Pull(pool="kv", keys=keys), timeout_s=30).num_local == 8  # no source named
+        assert client.request(m.PullRequest(pool="kv", keys=keys), timeout_s=30).num_local == 8  # no source named
     assert read(bi, keys) == data
     with ControlClient(ai["endpoints"]["control"]) as client:
         assert client.request(m.Lookup(pool="kv", keys=keys)).tiers == [0] * 8  # moved, not copied
@@ -175,7 +175,7 @@ def test_with_curve_only_key_holders_get_answers_and_peers_still_pull(runner_fac
         writer.put("kv", keys, data)
         writer.close()
     with ControlClient(bi["endpoints"]["control"], curve=curve, timeout_s=30) as client:
-        assert client.request(m.Pull(source_endpoint=ai["endpoints"]["control"], pool="kv", keys=keys)).num_local == 4
+        assert client.request(m.PullRequest(source_endpoint=ai["endpoints"]["control"], pool="kv", keys=keys)).num_local == 4
     # No keys at all, or a key pair the runner does not know: not a single byte comes back.
     with ControlClient(ai["endpoints"]["control"], timeout_s=1.0) as plain, pytest.raises(TimeoutError):
         plain.info()

@@ -43,7 +43,7 @@ def test_the_router_sends_a_request_to_the_cheapest_worker_with_a_hint_and_the_p
     assert route.hint["actions"][0]["payload"]["source_control_endpoint"] == ai["endpoints"]["control"]
     with ControlClient(bi["endpoints"]["control"], timeout_s=30) as client:
         client.request(m.PostHint(envelope=route.hint))  # stock SGLang does not forward hints: post them
-        assert client.request(m.Pull(pool="kv", keys=keys)).num_local == 8
+        assert client.request(m.PullRequest(pool="kv", keys=keys)).num_local == 8
         writer = AttachedWriter(client)
         assert writer.get("kv", keys) == data
         writer.close()

@@ -122,7 +122,7 @@ def test_a_page_overwritten_after_its_commit_is_never_pulled_by_a_secured_peer(r
     view.release()
     region.close()
     with ControlClient(bi["endpoints"]["control"], curve=curve, timeout_s=30) as client:
-        assert client.request(m.Pull(source_endpoint=ai["endpoints"]["control"], pool="kv", keys=keys)).num_local == 3
+        assert client.request(m.PullRequest(source_endpoint=ai["endpoints"]["control"], pool="kv", keys=keys)).num_local == 3
         writer = AttachedWriter(client)
         try:
             assert writer.get("kv", keys) == data[:3]

@@ -100,7 +100,7 @@ class ControlServer:
         self._handlers = {m.InfoRequest: self._on_info, m.Lookup: self._on_lookup, m.Reserve: self._on_reserve,
                           m.Commit: self._on_commit, m.ClaimRequest: self._on_claim, m.Renew: self._on_renew,
                           m.ReleaseRequest: self._on_release, m.Remove: self._on_remove,
-                          m.Persist: self._on_persist, m.Pull: self._on_pull, m.PostHint: self._on_post_hint,
+                          m.Persist: self._on_persist, m.PullRequest: self._on_pull, m.PostHint: self._on_post_hint,
                           m.SendPages: self._on_send_pages, m.ReserveShard: self._on_reserve_shard,
                           m.CommitShard: self._on_commit_shard}
 
@@ -307,7 +307,7 @@ class ControlServer:
             return m.Removed(num_removed=self.runner.clear(msg.pool))
         return m.Removed(num_removed=self.runner.remove(msg.pool, self._keys(msg.pool, msg.keys)))
 
-    def _on_pull(self, msg: m.Pull, owner: str) -> m.Message:
+    def _on_pull(self, msg: m.PullRequest, owner: str) -> m.Message:
         try:
             num_local = self.pulls.pull_requested(msg.pool, [k.page_hex for k in self._keys(msg.pool, msg.keys)],
                                                   source=msg.source_endpoint, event_hashes=msg.event_hashes)

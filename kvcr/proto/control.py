@@ -19,7 +19,7 @@ class Lane(enum.Enum):
 
 
 def lane_for(msg: m.Message, disk_pools: Container[str]) -> Lane:
-    if isinstance(msg, (m.Pull, m.Persist)):
+    if isinstance(msg, (m.PullRequest, m.Persist)):
         return Lane.SLOW
     if isinstance(msg, m.SendPages):
         return Lane.SERVING

@@ -122,7 +122,7 @@ class Sent(Message):
 
 
 @_msg
-class Pull(Message):
+class PullRequest(Message):
     """Ask a runner to pull pages it lacks from a trusted peer (the router's or an operator's hint)."""
 
     TYPE = "pull"
