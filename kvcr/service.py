@@ -13,6 +13,7 @@ from . import __version__
 from .config import Config
 from .drivers.http import HttpServer
 from .drivers.local_control import socket_path
+from .drivers.control_handlers import ControlHandlers
 from .drivers.zmq_control import ControlServer
 from .drivers.zmq_curve import CurveGate
 from .drivers.zmq_events import EventPublisher, SeqSource
@@ -50,10 +51,9 @@ class Service:
             self.plane = UcxPlane(lanes=cfg.runner.pull_lanes, interface=cfg.runner.ucx_interface)
             puller = self._puller(self.plane)
         self.pulls = PeerPulls(self.runner, puller)
-        self.control = ControlServer(self.ctx, self.runner, self.pulls, self.plane, lower=self.store.lower,
-                                     shards=self.store.shards,
-                                     endpoint=cfg.runner.control_endpoint, info=self.info,
-                                     snapshot=self.snapshot, gate=self.gate, public_info=self.public_info,
+        handlers = ControlHandlers(self.runner, self.pulls, self.plane, lower=self.store.lower, shards=self.store.shards,
+                                   info=self.info, snapshot=self.snapshot, public_info=self.public_info)
+        self.control = ControlServer(self.ctx, handlers, endpoint=cfg.runner.control_endpoint, gate=self.gate,
                                      tcp_serves_region=cfg.secured or cfg.runner.insecure,
                                      local_path=socket_path(self.runner.region.path) if cfg.runner.local_control else "")
         self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
