@@ -56,3 +56,22 @@ def runner_info(control: str, incarnation: str = "i1", digest: str = "ns1") -> d
     return {"incarnation": incarnation, "events_curve": False,
             "endpoints": {"control": control, "events": control.replace("56", "57"), "replay": None},
             "pools": [{"name": "kv", "namespace_digest": digest}]}
+
+
+def stop(proc) -> None:
+    """SIGSTOP `proc` and wait until every thread of it is stopped: under load the kernel takes a
+    moment to stop them all, and a test that counts on a frozen process must not race that."""
+    import os
+    import signal
+
+    proc.send_signal(signal.SIGSTOP)
+
+    def frozen() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{proc.pid}/task")
+            states = [open(f"/proc/{proc.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] for t in tasks]
+        except FileNotFoundError:  # a thread ended while we looked: look again
+            return False
+        return all(s in ("T", "t") for s in states)
+
+    wait_until(frozen, 10, 0.005, f"process {proc.pid} stopped")

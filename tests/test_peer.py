@@ -14,7 +14,7 @@ import pytest
 from kvcr.client import AttachedWriter, ControlClient, ControlError
 from kvcr.proto import messages as m
 from kvcr.proto.pull import PeerError
-from tests.helpers import wait_until
+from tests.helpers import stop, wait_until
 from tests.pages import pages_for
 from tests.peers import (PAGE, POOLS, buffers, claims_held, no_claims_left, pull, read, source, start_pair, store,
                          wait_registered)
@@ -404,7 +404,7 @@ def test_a_claim_granted_after_the_puller_gave_up_is_released_at_once(runner_fac
     keys, _, _ = store(ai, 8, seed=7)
     warm, _, _ = store(ai, 2, seed=17)
     assert pull(bi, ai, warm) == 2  # B knows A: what stalls below is the claim itself
-    a.proc.send_signal(signal.SIGSTOP)
+    stop(a.proc)
     try:
         assert pull(bi, ai, keys) == 0  # a miss, after one control timeout
     finally:
