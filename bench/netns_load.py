@@ -110,7 +110,7 @@ def main() -> int:
         return 1
     import zmq
 
-    from tests.conftest import RunnerProcess
+    from tests.helpers import RunnerProcess
     public, secret = (k.decode() for k in zmq.curve_keypair())
     env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
     tmp = Path(tempfile.mkdtemp(prefix="kvcr-netns-load-"))

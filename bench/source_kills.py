@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from kvcr.client import AttachedWriter, ControlClient  # noqa: E402
 from kvcr.proto.announce import announce_request  # noqa: E402
 from kvcr.proto.keys import request_page_hashes  # noqa: E402
-from tests.conftest import RunnerProcess, wait_until  # noqa: E402
+from tests.helpers import RunnerProcess, wait_until  # noqa: E402
 
 PAGE, PAGES, BLOCK = 64 << 10, 256, 16
 

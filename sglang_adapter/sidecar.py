@@ -57,7 +57,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         self._writers_lock = threading.Lock()
         self.layout: KeyLayout | None = None
         self.mem_pool_host = None
-        self._claims: ClaimHolder | None = None  # made on the first request hint, with a UCX worker of our own
+        self.claims = ClaimHolder(self._make_puller)  # its UCX worker is opened on the first claim
 
     @property
     def writer(self) -> AttachedWriter:
@@ -102,7 +102,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         return next((i for i, t in enumerate(tiers) if t == 0), len(keys))
 
     def _claim_holder(self) -> ClaimHolder | None:
-        return self._claims
+        return self.claims
 
     def _claim_beyond(self, keys: list[str], local: int, owner: str | None, extra_info) -> int:
         hinted = request_hints(extra_info)
@@ -123,20 +123,15 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         endpoint, depth = source
         return self.claims.confirm(endpoint, POOL, keys, local, depth, owner)
 
-    @property
-    def claims(self) -> ClaimHolder:
-        if self._claims is None:
-            from kvcr.drivers.ucx_plane import UcxPlane  # loads libucx: only once a rank pulls
+    def _make_puller(self) -> Puller:
+        from kvcr.drivers.ucx_plane import UcxPlane  # loads libucx: only once a rank pulls
 
-            pool = self.writer.pools[POOL]
-            self._claims = ClaimHolder(Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]},
-                                              timeout_s=self.cfg.pull_timeout_s, lease_s=self.cfg.claim_lease_s,
-                                              page_bytes={POOL: pool["page_bytes"]}, transport="auto"))
-        return self._claims
+        pool = self.writer.pools[POOL]
+        return Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]}, timeout_s=self.cfg.pull_timeout_s,
+                      lease_s=self.cfg.claim_lease_s, page_bytes={POOL: pool["page_bytes"]}, transport="auto")
 
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
-        if self._claims is not None:
-            self._claims.prefetch_ended(keys, request_id)
+        self.claims.prefetch_ended(keys, request_id)
 
     # --- zero-copy interface -------------------------------------------------------------------
 
@@ -145,8 +140,8 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         segments = self.layout.key_segments(self.mem_pool_host, host_indices, len(keys))
         base = self.writer.region.address + self.shard * self.layout.bytes
         n = self._read(keys, lambda i, offset: scatter([(base + offset, segments[i])], self.layout.segment_bytes))
-        if n < len(keys) and self._claims is not None and len(self._claims):
-            n += self._claims.deliver(keys, segments, n, self.layout.segment_bytes,
+        if n < len(keys) and len(self.claims):
+            n += self.claims.deliver(keys, segments, n, self.layout.segment_bytes,
                                       slice_offset=self.shard * self.layout.bytes)
         return [i < n for i in range(len(keys))]
 
@@ -222,10 +217,10 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         self.writer.client.request(m.Remove(pool=POOL, everything=True))
 
     def close(self) -> None:
-        if self._claims is not None:
-            self._claims.close()
-            self._claims.puller.close()
-            self._claims.puller.plane.close()
+        self.claims.close()
+        if self.claims.has_puller:
+            self.claims.puller.close()
+            self.claims.puller.plane.close()
         with self._writers_lock:
             writers, self._writers = self._writers, []
         for writer in writers:

@@ -112,11 +112,13 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             if self.service is None:
                 if not self.layouts:
                     raise RuntimeError("kvcr: no host pool with page buffers was registered")
-                self.service = Service(self._runner_config()).start()
-                if self.service.pulls.puller is not None:  # claims we take outlive an uncollected prefetch
-                    self.service.pulls.puller.lease_s = self.cfg.claim_lease_s
-                    self.claims = ClaimHolder(self.service.pulls.puller)
-                self.peering = Peering.join(self.cfg, self.service)
+                service = Service(self._runner_config()).start()
+                puller = service.pulls.puller
+                if puller is not None:  # claims we take outlive an uncollected prefetch
+                    puller.lease_s = self.cfg.claim_lease_s
+                    self.claims = ClaimHolder(lambda: puller)
+                self.peering = Peering.join(self.cfg, service)
+                self.service = service  # last: a lookup that sees the service sees its parts
             return self.service
 
     def _runner_config(self):
@@ -389,7 +391,6 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self.peering = None
         if self.service is not None:
             if self.claims is not None:
-                self.claims.close()
-                self.claims = None
+                self.claims.close()  # kept: its counts stay readable
             self.service.stop()
             self.service = None

@@ -39,7 +39,7 @@ class Source:
 
     def answer_claim(self, keys, *, owner: str, now: float) -> m.Granted:
         claim = self.claims.claim(self.pool, keys, owner=owner, lease_s=None, now=now)
-        return replace(self.claims.granted(claim, lambda p: p.slot * PAGE), incarnation=INCARNATION)
+        return replace(self.claims.granted(claim, [p.slot * PAGE for p in claim.pages]), incarnation=INCARNATION)
 
     def answer_release(self, action: SendRelease, *, owner: str):
         released = self.claims.release(action.claim_id, owner=owner, drop=action.drop)

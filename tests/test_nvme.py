@@ -279,3 +279,12 @@ def test_a_repeated_write_failure_is_logged_once_per_interval_with_a_count(caplo
         w.warn("ENOSPC", "nvme write of %s failed", "r")
     assert [r.getMessage() for r in caplog.records] == [
         "nvme write of p failed", "nvme write of q failed", "nvme write of r failed (4 more like it since the last report)"]
+
+
+def test_a_runner_configured_for_nvme_but_built_without_its_tier_is_refused_by_name(tmp_path):
+    from kvcr.runner import Runner
+
+    cfg = load_config(None, {"runner.name": "nv", "dram.size": "1Mi", "nvme.storage_dir": str(tmp_path),
+                             "dram.pools": [{"name": "kv", "page_bytes": PAGE}]})
+    with pytest.raises(ValueError, match="open_store"):
+        Runner(cfg)

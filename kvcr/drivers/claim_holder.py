@@ -24,12 +24,28 @@ log = logging.getLogger(__name__)
 
 
 class ClaimHolder:
-    def __init__(self, puller: Puller, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.puller = puller
+    def __init__(self, make_puller: Callable[[], Puller], *, clock: Callable[[], float] = time.monotonic) -> None:
+        """`make_puller`: called once, on the first claim (a sidecar rank opens its UCX worker only
+        then); the ledger keeps count of ended prefetches before that."""
+        self._make_puller = make_puller
+        self._puller: Puller | None = None
+        self._puller_lock = threading.Lock()
         self._clock = clock
         self._ledger = ClaimLedger()
         self._lock = threading.Lock()  # the ledger; never held while a source is asked
         self.num_expired = 0
+
+    @property
+    def puller(self) -> Puller:
+        if self._puller is None:
+            with self._puller_lock:
+                if self._puller is None:
+                    self._puller = self._make_puller()
+        return self._puller
+
+    @property
+    def has_puller(self) -> bool:
+        return self._puller is not None
 
     def covered(self, keys: list[str], start: int, owner: str | None) -> int:
         """`owner` (a request) looks up `keys` again: how far from `start` the claims it counts on

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 from . import messages as m
 from .claims import Claim, ClaimTable, Release
 from .keys import StorageKey
-from .pool import Page, PagePool
+from .pool import PagePool
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +34,12 @@ class ClaimSource:
         """Pin the leading READY pages of `keys` for `owner` (a claim of none is not kept)."""
         return self.table.claim(pool, keys, owner=owner, lease_s=lease_s or self.default_lease_s, now=now)
 
-    def granted(self, claim: Claim, offset: Callable[[Page], int], *,
-                digest: Callable[[Page], int] | None = None) -> m.Granted:
-        """The answer to the claim: where each pinned page lies, its slot generation, the lease,
-        the pages' announces and, when asked, their commit digests."""
+    def granted(self, claim: Claim, offsets: Sequence[int], digests: Sequence[int] = ()) -> m.Granted:
+        """The answer to the claim: where each pinned page lies in the region (`offsets`), its slot
+        generation, the lease, the pages' announces and, when asked, their commit `digests`."""
         pages = claim.pages
-        return m.Granted(claim_id=claim.claim_id, offsets=[offset(p) for p in pages],
-                         generations=[p.generation for p in pages], lease_s=claim.lease_s,
-                         digests=[digest(p) for p in pages] if digest is not None else [],
+        return m.Granted(claim_id=claim.claim_id, offsets=list(offsets), generations=[p.generation for p in pages],
+                         lease_s=claim.lease_s, digests=list(digests),
                          announces=[p.announce.to_wire() if p.announce else None for p in pages])
 
     def renew(self, claim_id: int, *, owner: str, now: float) -> m.Renewed:

@@ -117,6 +117,9 @@ class Runner:
     def __init__(self, cfg: Config, *, publish: Callable[[Sequence[Event]], int] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  lower: Callable[[DramSide], LowerTier] | None = None) -> None:
+        if cfg.nvme.storage_dir and lower is None:
+            raise ValueError("nvme.storage_dir is set but no tier below DRAM was given: open the runner with "
+                             "kvcr.runner.open_store, which builds its NVMe tier")
         self.cfg = cfg
         self.incarnation = uuid.uuid4().hex[:16]
         self.clock = clock
@@ -320,11 +323,11 @@ class Runner:
             if len(claim.pages) < len(keys):
                 self._count_unheld(pool, keys[len(claim.pages):])
             layout = self.layouts[pool]
-            reply = self.source.granted(claim, lambda p: layout.offset + p.slot * layout.stride,
-                                        digest=(lambda p: self.page_digest(pool, p)) if digests else None)
-            if registered is not None and not registered(reply.offsets, layout.page_bytes):
+            offsets = [layout.offset + p.slot * layout.stride for p in claim.pages]
+            if registered is not None and not registered(offsets, layout.page_bytes):
                 raise Busy("these pages are not registered for peers yet; retry shortly")
-            return Grant(claim, reply)
+            sums = [self.page_digest(pool, p) for p in claim.pages] if digests else []
+            return Grant(claim, self.source.granted(claim, offsets, sums))
         except BaseException:
             if claim.pages:  # no answer, no claim
                 self.release(claim.claim_id, owner=owner)
