@@ -116,3 +116,14 @@ def test_a_request_prefetching_again_under_the_same_id_gets_its_grants_held():
     claims.started("rid-retry")                   # the retry's hit query begins
     assert claims.add(HeldClaim(conf=Lease(5.0), page_hexes=["r0"], owners={"rid-retry"}))
 
+
+
+def test_a_claim_holder_keeps_the_ledger_without_opening_its_puller_until_a_claim_is_made():
+    from kvcr.drivers.claim_holder import ClaimHolder
+
+    made = []
+    holder = ClaimHolder(lambda: made.append("puller"))
+    holder.prefetch_ended(["k0"], "rid-gone")  # recorded: a grant for it that comes later goes back at once
+    assert holder.covered(["k0", "k1"], 0, "rid-live") == 0 and holder.expire() == 0 and len(holder) == 0
+    holder.close()
+    assert not holder.has_puller and made == []
