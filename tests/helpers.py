@@ -2,6 +2,8 @@
 polling. Test modules import these; fixtures stay in conftest.py."""
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -61,9 +63,6 @@ def runner_info(control: str, incarnation: str = "i1", digest: str = "ns1") -> d
 def stop(proc) -> None:
     """SIGSTOP `proc` and wait until every thread of it is stopped: under load the kernel takes a
     moment to stop them all, and a test that counts on a frozen process must not race that."""
-    import os
-    import signal
-
     proc.send_signal(signal.SIGSTOP)
 
     def frozen() -> bool:

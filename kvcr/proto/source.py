@@ -22,6 +22,7 @@ class Released:
     reply: m.Released
     expired: bool                   # the lease had ended it already: the answer came from its tombstone
     moved: tuple[StorageKey, ...]   # move mode: pages the puller verifiably received, still live here
+    pool: str = ""                  # the claim's pool (where `moved` are to be removed)
 
 
 class ClaimSource:
@@ -52,7 +53,8 @@ class ClaimSource:
         result: Release = self.table.release(claim_id, owner=owner)
         moved = tuple(p.key for p, live in zip(claim.pages[:drop], result.live) if live) \
             if drop > 0 and claim is not None else ()
-        return Released(m.Released(live=list(result.live)), result.expired, moved)
+        return Released(m.Released(live=list(result.live)), result.expired, moved,
+                        claim.pool.name if claim is not None else "")
 
     def expire(self, now: float, writer_alive: Callable[[int], bool] = lambda pid: False) -> list[int]:
         """End the claims and fills whose lease ran out; returns their ids."""

@@ -322,9 +322,8 @@ class Runner:
         try:
             if len(claim.pages) < len(keys):
                 self._count_unheld(pool, keys[len(claim.pages):])
-            layout = self.layouts[pool]
-            offsets = [layout.offset + p.slot * layout.stride for p in claim.pages]
-            if registered is not None and not registered(offsets, layout.page_bytes):
+            offsets = [self.offset(pool, p.slot) for p in claim.pages]
+            if registered is not None and not registered(offsets, self.layouts[pool].page_bytes):
                 raise Busy("these pages are not registered for peers yet; retry shortly")
             sums = [self.page_digest(pool, p) for p in claim.pages] if digests else []
             return Grant(claim, self.source.granted(claim, offsets, sums))
@@ -351,11 +350,10 @@ class Runner:
         """End a claim. `drop` (move mode): remove, in every tier, the first `drop` claimed pages
         that stayed live (the ones the puller verifiably received)."""
         with self.lock:
-            claim = self.claims.peek(claim_id)
             result = self.source.release(claim_id, owner=owner, drop=drop)
             self.flush_events()
         if result.moved:
-            self.remove(claim.pool.name, list(result.moved))
+            self.remove(result.pool, list(result.moved))
         return result
 
     def quarantine(self, fill_id: int) -> int:
