@@ -71,6 +71,9 @@ class LiveServer:
                  backend: str = "kvcr", peers_dir: str | None = "") -> None:
         self.name, self.run_dir, self.model = name, run_dir, model
         self.port = free_port()
+        # SGLang would draw its torch.dist port at random, unchecked against the other engines a test
+        # starts at once (one draw collided in a full run): this process hands it out, once.
+        self.nccl_port = free_port()
         self.log_path = run_dir / f"{name}.log"
         # fixed ports, so a restarted engine's runner is the same peer to everyone
         self.endpoints = {"control": f"tcp://127.0.0.1:{free_port()}", "events": f"tcp://127.0.0.1:{free_port()}",
@@ -97,7 +100,8 @@ class LiveServer:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "sglang_adapter.launch_server", "--model-path", str(self.model),
-                "--host", "127.0.0.1", "--port", str(self.port), *(GPU_FLAGS if ON_GPU else CPU_FLAGS),
+                "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(self.nccl_port),
+                *(GPU_FLAGS if ON_GPU else CPU_FLAGS),
                 "--hicache-storage-backend", self.backend,
                 *(["--hicache-storage-backend-extra-config", json.dumps(self.extra)] if self.backend == "kvcr"
                   else ["--enable-hierarchical-cache"]), *self.args]
