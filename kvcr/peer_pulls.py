@@ -1,8 +1,8 @@
 """A runner's peer pulls, destination side: the hints posted to it and pulls into fresh DRAM slots.
 
-The runner owns DRAM residency; this owns what comes from peers. A pull itself is decided by
-`kvcr/proto/pull.py` and performed by the puller; here its pages get slots, are committed when
-delivered, and are quarantined when the transfer was uncertain.
+The runner owns DRAM residency; this owns what comes from peers. A claim is taken, collected and
+given back through the ClaimHolder (the one owner of a destination's claims); here its pages get
+slots, are committed when delivered, and are quarantined when the transfer was uncertain.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from .proto.pull import NoPuller
 from .runner import Runner
 
 if TYPE_CHECKING:
-    from .drivers.puller import Confirmation, Puller
+    from .drivers.claim_holder import ClaimHolder
+    from .drivers.puller import Puller
+    from .proto.claim_ledger import HeldClaim
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +40,19 @@ class PullStatistics:
 
 
 class PeerPulls:
-    def __init__(self, runner: Runner, puller: Puller | None) -> None:
+    def __init__(self, runner: Runner, claims: ClaimHolder | None) -> None:
+        """`claims`: None when the runner has no UCX data plane (nothing is pulled)."""
         self.runner = runner
-        self.puller = puller
+        self.claims = claims
         cfg = runner.cfg.runner
         self._hints = HintBook(ttl_s=cfg.hint_ttl_s, max_hashes=cfg.max_hinted_hashes)
         self._lock = threading.Lock()  # the hint book and the counters
         self._pulled = 0
         self._uncertain = 0
+
+    @property
+    def puller(self) -> Puller | None:
+        return self.claims.puller if self.claims is not None else None
 
     # --- hints ------------------------------------------------------------------------------------
 
@@ -67,7 +74,7 @@ class PeerPulls:
                        event_hashes: Sequence[int] = ()) -> int:
         """The control op `pull`: from `source`, else from the source a posted hint names (moving
         the pages when the hint says so). Returns how many leading pages are now local."""
-        if self.puller is None:
+        if self.claims is None:
             raise NoPuller("this runner has no UCX data plane (runner.ucx = false)")
         move = False
         if not source:
@@ -83,28 +90,29 @@ class PeerPulls:
         runner = self.runner
         keys = runner.keys(pool, page_hexes)
         have = runner.lookup(pool, keys)
-        if have == len(keys) or self.puller is None:
+        if have == len(keys) or self.claims is None:
             return have
-        conf = self.puller.confirm(endpoint, pool, page_hexes[have:])
-        if conf is not None:
-            self.take_confirmed(conf, page_hexes[have:], move=move)
+        claim = self.claims.claim(endpoint, pool, page_hexes[have:])
+        if claim is not None:
+            self.take_confirmed(claim, move=move)
         return runner.lookup(pool, keys)
 
-    def take_confirmed(self, conf: Confirmation, page_hexes: Sequence[str], *, move: bool = False) -> int:
-        """Pull the pages a source confirmed (claimed for us) for `page_hexes` into fresh DRAM slots
-        and commit them; the claim ends on every path. Returns the leading pages delivered."""
-        runner = self.runner
-        keys = runner.keys(conf.pool, page_hexes[:conf.num_pages])
+    def take_confirmed(self, claim: HeldClaim, *, move: bool = False) -> int:
+        """Pull the pages of a claim a source granted us into fresh DRAM slots and commit them;
+        the claim ends on every path. Returns the leading pages delivered."""
+        assert self.claims is not None, "a claim without a data plane"
+        runner, conf = self.runner, claim.conf
+        keys = runner.keys(conf.pool, claim.page_hexes[:conf.num_pages])
         try:
             fill = runner.reserve(conf.pool, keys, conf.announces(), lease_s=math.inf)
         except (PoolError, EventError):  # no room, or a source sent announces we cannot use
-            self.puller.release(conf)
+            self.claims.give_back(claim)
             return 0
         slots = list(itertools.takewhile(lambda p: isinstance(p, Page), fill.pages))
         result = None
         try:
-            result = self.puller.deliver(conf, [runner.region_address + runner.offset(conf.pool, p.slot)
-                                                for p in slots], move=move)
+            result = self.claims.collect(claim, [runner.region_address + runner.offset(conf.pool, p.slot)
+                                                 for p in slots], move=move)
         finally:
             if result is None or result.uncertain:
                 # The transfer may still write into these slots: never hand them out again.
@@ -129,5 +137,6 @@ class PeerPulls:
                                   p.reach.num_recovered if p else 0, p.num_refused_untrusted if p else 0, len(self._hints))
 
     def close(self) -> None:
-        if self.puller is not None:
-            self.puller.close()
+        if self.claims is not None:
+            self.claims.close()
+            self.claims.puller.close()

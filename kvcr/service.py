@@ -11,6 +11,7 @@ import zmq
 
 from . import __version__
 from .config import Config
+from .drivers.claim_holder import ClaimHolder
 from .drivers.http import HttpServer
 from .drivers.local_control import socket_path
 from .drivers.control_handlers import ControlHandlers
@@ -50,7 +51,10 @@ class Service:
 
             self.plane = UcxPlane(lanes=cfg.runner.pull_lanes, interface=cfg.runner.ucx_interface)
             puller = self._puller(self.plane)
-        self.pulls = PeerPulls(self.runner, puller)
+        # The one owner of the claims this runner takes at peers (its own pulls and an embedding
+        # SGLang backend's).
+        self.claims = ClaimHolder(lambda: puller) if puller is not None else None
+        self.pulls = PeerPulls(self.runner, self.claims)
         handlers = ControlHandlers(self.runner, self.pulls, self.plane, lower=self.store.lower, shards=self.store.shards,
                                    info=self.info, snapshot=self.snapshot, public_info=self.public_info)
         self.control = ControlServer(self.ctx, handlers, endpoint=cfg.runner.control_endpoint, gate=self.gate,

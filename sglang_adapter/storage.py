@@ -113,10 +113,9 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                 if not self.layouts:
                     raise RuntimeError("kvcr: no host pool with page buffers was registered")
                 service = Service(self._runner_config()).start()
-                puller = service.pulls.puller
-                if puller is not None:  # claims we take outlive an uncollected prefetch
-                    puller.lease_s = self.cfg.claim_lease_s
-                    self.claims = ClaimHolder(lambda: puller)
+                if service.claims is not None:  # claims we take outlive an uncollected prefetch
+                    service.claims.puller.lease_s = self.cfg.claim_lease_s
+                    self.claims = service.claims
                 self.peering = Peering.join(self.cfg, service)
                 self.service = service  # last: a lookup that sees the service sees its parts
             return self.service
@@ -214,7 +213,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
         """Byte-copy reads: pull what batch_exists confirmed for these keys into the runner."""
         pos = self.runner.lookup(POOL, self._keys(keys))
         while pos < len(keys) and self.claims is not None and (p := self.claims.take(keys, pos)) is not None:
-            got = self.pulls.take_confirmed(p.conf, p.page_hexes)
+            got = self.pulls.take_confirmed(p)
             self.stats.from_peers(got)
             if got < len(p.page_hexes):
                 break

@@ -1,6 +1,7 @@
 """The destination side of a peer claim, from the lookup that takes it to the read that collects
 it: confirm (claim at the source), hold, deliver, give back. The one owner of that lifecycle for
-both SGLang backends; the bookkeeping is kvcr/proto/claim_ledger.py, the transfer the Puller's.
+both SGLang backends and the runner's own pulls (kvcr/peer_pulls.py); the bookkeeping is
+kvcr/proto/claim_ledger.py, the transfer the Puller's.
 
 Every claim taken here ends on one of four paths, each a release at the source when nothing was
 delivered: a read collects it (deliver ends it), the request's prefetch ends, its lease runs out
@@ -18,6 +19,7 @@ from ..proto.claim_ledger import ClaimLedger, HeldClaim
 from ..proto.pull import PeerError
 
 if TYPE_CHECKING:
+    from ..proto.pull import PullResult
     from .puller import Confirmation, Puller
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,22 @@ class ClaimHolder:
                 return got
         return got
 
+    def claim(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> HeldClaim | None:
+        """Claim the leading pages at the source for a caller that collects them at once (the
+        runner's own pulls): not held here, so `collect` or `give_back` must end it. None: a miss."""
+        conf = self.puller.confirm(endpoint, pool, page_hexes)
+        return None if conf is None else HeldClaim(conf, list(page_hexes[:conf.num_pages]))
+
+    def collect(self, claim: HeldClaim, destinations: Sequence[int] | Sequence[Sequence[int]], *,
+                segments: Sequence[int] | None = None, slice_offset: int = 0, move: bool = False) -> PullResult:
+        """Move a claim's pages into `destinations` (see Puller.deliver); the claim ends whatever
+        happens."""
+        return self.puller.deliver(claim.conf, destinations, segments=segments, slice_offset=slice_offset, move=move)
+
+    def give_back(self, claim: HeldClaim, *, wait: bool = True) -> None:
+        """End a claim nothing will be delivered from (idempotent)."""
+        self.puller.release(claim.conf, wait=wait)
+
     def first_claimed(self, keys: list[str]) -> int:
         """Where the first claim on exactly these keys starts (len(keys): none)."""
         with self._lock:
@@ -98,8 +116,8 @@ class ClaimHolder:
             if claim is None:
                 break
             want = min(len(claim.page_hexes), len(keys) - first)
-            result = self.puller.deliver(claim.conf, segments[first:first + want], segments=segment_bytes,
-                                         slice_offset=slice_offset)
+            result = self.collect(claim, segments[first:first + want], segments=segment_bytes,
+                                  slice_offset=slice_offset)
             if result.uncertain:
                 # The data plane ends every transfer before it returns (a stuck lane's worker is
                 # destroyed), so this is a failure like any other: nothing of it is delivered.
@@ -142,7 +160,7 @@ class ClaimHolder:
         for claim in claims:
             # Not waited for: the caller (the scheduler's prefetch-ended hook) must not wait on a
             # source's socket held by a transfer in flight; the puller's sender sends it.
-            self.puller.release(claim.conf, wait=False)
+            self.give_back(claim, wait=False)
 
     def __len__(self) -> int:
         with self._lock:
