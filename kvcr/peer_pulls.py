@@ -17,7 +17,8 @@ from .proto.events import EventError
 from .proto.hintbook import HintBook, HintedSource
 from .proto.hints import FetchHint
 from .proto.keys import hash_str_to_int64
-from .proto.pool import Page, PoolError
+from .proto.page import Page
+from .proto.pool import PoolError
 from .proto.pull import NoPuller
 from .runner import Runner
 

@@ -29,7 +29,8 @@ from kvcr.config import load_config
 from kvcr.drivers.claim_holder import ClaimHolder
 from kvcr.proto.announce import Announce
 from kvcr.proto.events import EventError
-from kvcr.proto.pool import Page, PoolError
+from kvcr.proto.page import Page
+from kvcr.proto.pool import PoolError
 from kvcr.peer_pulls import PeerPulls
 from kvcr.runner import TIER_ABSENT, Runner
 from kvcr.service import Service

@@ -11,7 +11,7 @@ from ..proto.announce import Announce
 from ..proto.claims import MAX_LEASE_S
 from ..proto.hints import parse_envelope
 from ..proto.keys import StorageKey
-from ..proto.pool import Page
+from ..proto.page import Page
 from ..proto.pull import NoPuller, PeerError
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .announce import Announce
-from .pool import InFlight, Page, PagePool, PoolError
+from .page import InFlight, Page
+from .pool import PagePool, PoolError
 
 TOMBSTONES = 4096
 MAX_LEASE_S = 3600.0  # the longest lease a claim may ask for, and a grant may carry

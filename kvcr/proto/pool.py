@@ -10,19 +10,28 @@ same line that changes the index. The owner drains events with `take_events()`.
 With a tier below (`lower=True`), a READY page is also DIRTY (queued for that tier) or CLEAN
 (the tier holds it). Eviction takes clean pages first; a page it takes that the tier below does
 not hold is dropped, counted under the reason in its `Keep`. See docs/nvme.md.
+
+Its parts, each with one job: slots.py (free slots, generations, quarantine), write_queue.py (the
+DIRTY pages), eviction.py (which pages go, in which order), recent_keys.py (what was held lately).
 """
 
 from __future__ import annotations
 
-import enum
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Iterable, Sequence
 
 from .announce import Announce
+from .eviction import down_to_watermark, victims
 from .events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
-from .keys import StorageKey
+from .page import IN_FLIGHT, InFlight, Keep, Page, State
+from .recent_keys import RecentKeys
+from .slots import SlotTable
+from .write_queue import WriteQueue
+
+__all__ = ["IN_FLIGHT", "InFlight", "Keep", "Page", "PagePool", "PageSizeError", "PoolBusy", "PoolError",
+           "PoolExhausted", "PoolStats", "State", "coalesce_announces", "coalesce_stored"]
 
 
 class PoolError(Exception):
@@ -45,47 +54,6 @@ class PoolBusy(PoolExhausted):
         self.shortfall = shortfall
 
 
-class Keep(enum.Enum):
-    """Whether the tier below holds a READY page; for the pages it does not, why (the drop reason)."""
-
-    NONE = "no_lower_tier"
-    DIRTY = "nvme_lagging"          # queued for the tier below, not written yet
-    CLEAN = "kept"                  # the tier below holds it: eviction loses nothing
-    WRITE_FAILED = "nvme_write_failed"
-    LOWER_FULL = "nvme_full"        # the tier below had room only for this page's ancestors
-    LOWER_EVICTED = "nvme_evicted"  # the tier below let its copy go
-
-
-class State(enum.Enum):
-    FILLING = "filling"
-    READY = "ready"
-    DISCARDING = "discarding"
-
-
-class InFlight:
-    """Sentinel from begin_fill: another fill is writing this key right now."""
-
-    def __repr__(self) -> str:
-        return "IN_FLIGHT"
-
-
-IN_FLIGHT = InFlight()
-
-
-class Page:
-    __slots__ = ("key", "slot", "state", "generation", "num_claims", "announce", "digest", "keep")
-
-    def __init__(self, key: StorageKey, slot: int, generation: int, announce: Announce | None) -> None:
-        self.keep = Keep.NONE
-        self.key = key
-        self.slot = slot
-        self.state = State.FILLING
-        self.generation = generation
-        self.num_claims = 0
-        self.announce = announce
-        self.digest: int | None = None  # xxh3-64 of the bytes at commit, when the runner keeps digests
-
-
 @dataclass(frozen=True, slots=True)
 class PoolStats:
     name: str
@@ -98,9 +66,6 @@ class PoolStats:
     page_bytes: int
     num_quarantined: int = 0
     num_dirty: int = 0
-
-
-_EVER_HELD_MAX = 1 << 18  # ~25 MB of memory at most, whatever the pool's size
 
 
 class PagePool:
@@ -118,23 +83,15 @@ class PagePool:
         self.medium = medium
         self._high = max(1, int(num_slots * high_watermark))
         self._low = max(0, int(num_slots * low_watermark))
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._generation = [0] * num_slots
+        self._slots = SlotTable(num_slots)
         self._pages: dict[str, Page] = {}
         self._discarding: dict[int, Page] = {}
-        self._quarantined: list[int] = []  # slots a cancelled transfer may still write: never reused
         self._lru: OrderedDict[str, None] = OrderedDict()  # READY and unclaimed, oldest first
         self.lower = lower
-        self._dirty: OrderedDict[str, float] = OrderedDict()  # DIRTY, not being written: key -> commit time
-        # DIRTY pages the writer is reading, by slot -> (page, commit time). They keep their LRU
-        # place (a write is not a use) but are never evicted or freed until settled.
-        self._in_flight: dict[int, tuple[Page, float]] = {}
+        self._writes = WriteQueue()  # with a tier below: the DIRTY pages
         self.dropped: Counter[str] = Counter()  # pages evicted that no tier below kept, by Keep reason
         self._by_event_hash: dict[int, str] = {}
-        # hash(key) of the pages committed here lately, oldest first: tells a peer's claim for a page
-        # we let go (an eviction race) from one for a page we never held (a router's mistake).
-        self._ever: dict[int, None] = {}
-        self._ever_cap = min(4 * num_slots, _EVER_HELD_MAX)
+        self._ever = RecentKeys(4 * num_slots)
         self._events: list[Event] = []
         self.num_filling = 0
         self.num_ready = 0
@@ -165,28 +122,27 @@ class PagePool:
         return list(islice(self._lru, n))
 
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self._slots.num_used
 
     def ready_pages(self) -> list[Page]:
         return [p for p in self._pages.values() if p.state is State.READY]
 
     def statistics(self) -> PoolStats:
-        return PoolStats(self.name, self.capacity, len(self._free), self.num_filling, self.num_ready,
-                         len(self._discarding), self.num_claimed, self.page_bytes, len(self._quarantined),
+        return PoolStats(self.name, self.capacity, self._slots.num_free, self.num_filling, self.num_ready,
+                         len(self._discarding), self.num_claimed, self.page_bytes, self._slots.num_quarantined,
                          self.num_dirty)
 
     @property
     def num_writing(self) -> int:
-        return len(self._in_flight)
+        return self._writes.num_writing
 
     @property
     def num_dirty(self) -> int:
-        return len(self._dirty) + len(self._in_flight)
+        return len(self._writes)
 
     def oldest_dirty_since(self) -> float | None:
         """Commit time of the oldest page not yet in the tier below (write-behind lag)."""
-        times = [*(t for _, t in self._in_flight.values()), *islice(self._dirty.values(), 1)]
-        return min(times) if times else None
+        return self._writes.oldest_since()
 
     # --- filling ---------------------------------------------------------------------------
 
@@ -204,17 +160,16 @@ class PagePool:
             self._check_announces(announces)
         wanted = dict.fromkeys(keys)
         new = [k for k in wanted if k not in self._pages]
-        shortfall = len(new) - len(self._free)
+        shortfall = len(new) - self._slots.num_free
         if shortfall > 0:
             self._make_room(shortfall, wanted, len(new), evict_dirty)
         position = {k: i for i, k in enumerate(keys)}
         made: dict[str, Page | InFlight] = {k: IN_FLIGHT for k in wanted if k in self._pages
                                             and self._pages[k].state is State.FILLING}
         for key in new:
-            slot = self._free.pop()
-            self._generation[slot] += 1
+            slot, generation = self._slots.take()
             announce = announces[position[key]] if announces else None
-            made[key] = self._pages[key] = Page(key, slot, self._generation[slot], announce)
+            made[key] = self._pages[key] = Page(key, slot, generation, announce)
         self.num_filling += len(new)
         return [made.pop(k, None) for k in keys]
 
@@ -225,7 +180,7 @@ class PagePool:
             # Pages the writer holds come back (CLEAN) when its batch ends: worth waiting for too.
             waitable = self._num_evictable(shortfall, protect, dirty=True) + (0 if evict_dirty else self.num_writing)
             if waitable < shortfall:
-                raise PoolExhausted(f"pool {self.name!r} is full: {needed} pages needed, {len(self._free)} free, "
+                raise PoolExhausted(f"pool {self.name!r} is full: {needed} pages needed, {self._slots.num_free} free, "
                                     f"{self.num_claimed} claimed, {self.num_filling} filling")
             if not evict_dirty:
                 raise PoolBusy(f"pool {self.name!r}: {shortfall - clean} more pages must be written to NVMe before "
@@ -243,7 +198,7 @@ class PagePool:
             self.num_filling -= 1
             if self._pages.get(page.key) is page:
                 del self._pages[page.key]
-            self._quarantined.append(page.slot)
+            self._slots.quarantine(page.slot)
             n += 1
         return n
 
@@ -267,11 +222,11 @@ class PagePool:
             assert page.state is State.FILLING, f"commit of page {page.key} in state {page.state}"
             self.num_filling -= 1
             if self._pages.get(page.key) is not page:  # cleared while filling
-                self._free_slot(page.slot)
+                self._slots.free(page.slot)
                 continue
             if ok is not None and not ok[i]:
                 del self._pages[page.key]
-                self._free_slot(page.slot)
+                self._slots.free(page.slot)
                 continue
             page.state = State.READY
             self.num_ready += 1
@@ -280,31 +235,23 @@ class PagePool:
                 page.keep = Keep.CLEAN
             elif self.lower:
                 page.keep = Keep.DIRTY
-                self._dirty[page.key] = now
+                self._writes.queue(page.key, now)
             if page.announce is not None:
                 self._by_event_hash[page.announce.event_hash] = page.key
-            self._remember(page.key)
+            self._ever.add(page.key)
         self._touch_chain(committed)
         self._events.extend(coalesce_stored(committed, self.block_size, self.medium))
         # Pages read back from the tier below are about to be served: not the ones to evict now.
         self._evict_to_watermark(protect={p.key for p in committed} if clean else frozenset())
         return len(committed)
 
-    def _remember(self, key: str) -> None:
-        ever = self._ever
-        ever.pop(hash(key), None)
-        ever[hash(key)] = None
-        if len(ever) > self._ever_cap:
-            del ever[next(iter(ever))]
-
     def remember(self, keys: Iterable[str]) -> None:
         """Pages this runner holds outside DRAM (its NVMe tier found them at start)."""
-        for key in keys:
-            self._remember(key)
+        self._ever.update(keys)
 
     def ever_held(self, key: str) -> bool:
-        """Whether `key` was committed here within the last `_ever_cap` commits (bounded memory)."""
-        return hash(key) in self._ever
+        """Whether `key` was committed here lately (see RecentKeys)."""
+        return key in self._ever
 
     # --- reading and pinning ------------------------------------------------------------------
 
@@ -355,13 +302,13 @@ class PagePool:
         self._touch_chain(released)
 
     def _free_discarded(self, page: Page) -> None:
-        if page.num_claims == 0 and page.slot not in self._in_flight:
+        if page.num_claims == 0 and not self._writes.is_writing(page.slot):
             del self._discarding[page.slot]
-            self._free_slot(page.slot)
+            self._slots.free(page.slot)
 
     def is_live(self, page: Page) -> bool:
         """True while the slot still holds this page's bytes (same generation, not freed)."""
-        return page.state is not State.FILLING and self._generation[page.slot] == page.generation \
+        return page.state is not State.FILLING and self._slots.generation(page.slot) == page.generation \
             and (self._pages.get(page.key) is page or self._discarding.get(page.slot) is page)
 
     # --- removal -------------------------------------------------------------------------------
@@ -387,18 +334,14 @@ class PagePool:
         self.num_ready -= 1
         self._pages.pop(page.key, None)
         self._lru.pop(page.key, None)
-        self._dirty.pop(page.key, None)
+        self._writes.discard(page.key)
         if page.announce is not None and self._by_event_hash.get(page.announce.event_hash) == page.key:
             del self._by_event_hash[page.announce.event_hash]
-        if page.num_claims or page.slot in self._in_flight:
+        if page.num_claims or self._writes.is_writing(page.slot):
             page.state = State.DISCARDING
             self._discarding[page.slot] = page
         else:
-            self._free_slot(page.slot)
-
-    def _free_slot(self, slot: int) -> None:
-        self._generation[slot] += 1
-        self._free.append(slot)
+            self._slots.free(page.slot)
 
     def _num_evictable(self, n: int, protect: dict | set, *, dirty: bool) -> int:
         """How many unclaimed READY pages outside `protect` eviction may take (DIRTY ones only when
@@ -406,29 +349,8 @@ class PagePool:
         return len(self._victims(n, protect, dirty=dirty))
 
     def _victims(self, n: int, protect: dict | set, *, dirty: bool) -> list[Page]:
-        """Up to n eviction victims, least recently used first within each class: CLEAN pages (the
-        tier below keeps them), then pages nothing keeps, then (when `dirty`) DIRTY ones."""
-        if not self.lower:  # every page is Keep.NONE: plain LRU
-            return [self._pages[k] for k in islice((k for k in self._lru if k not in protect), n)]
-        writing = self._in_flight
-        clean: list[Page] = []
-        unkept: list[Page] = []
-        queued: list[Page] = []
-        for key in self._lru:
-            if len(clean) >= n:
-                break
-            if key in protect:
-                continue
-            page = self._pages[key]
-            if page.slot in writing:
-                continue
-            if page.keep is Keep.CLEAN:
-                clean.append(page)
-            elif page.keep is not Keep.DIRTY:
-                unkept.append(page)
-            elif dirty:
-                queued.append(page)
-        return (clean + unkept + queued)[:n]
+        return victims(self._lru, self._pages, n, protect, lower=self.lower, writing=self._writes.is_writing,
+                       dirty=dirty)
 
     def _evict(self, n: int, protect: dict | set = frozenset(), *, dirty: bool = False) -> int:
         """Evict up to n unclaimed READY pages (see _victims), never one in `protect`."""
@@ -446,17 +368,9 @@ class PagePool:
     def _evict_to_watermark(self, protect: set[str] = frozenset()) -> None:
         """Evict down to the low watermark in strict LRU order: up to the first DIRTY page (it goes
         once written), so a chain loses its tail first however its pages were written."""
-        used = self.capacity - len(self._free)
-        if used <= self._high:
-            return
-        victims: list[Page] = []
-        for key in self._lru:
-            page = self._pages[key]
-            if len(victims) >= used - self._low or page.keep is Keep.DIRTY:
-                break
-            if key not in protect:
-                victims.append(page)
-        self._evict_pages(victims)
+        used = self._slots.num_used
+        if used > self._high:
+            self._evict_pages(down_to_watermark(self._lru, self._pages, used - self._low, protect))
 
     def evict_to_watermark(self) -> int:
         """Evict (never DIRTY pages) down to the low watermark when above the high one."""
@@ -466,7 +380,7 @@ class PagePool:
 
     def over_watermark(self) -> int:
         """Pages to evict to get from above the high watermark down to the low one (0: below it)."""
-        used = self.capacity - len(self._free)
+        used = self._slots.num_used
         return used - self._low if used > self._high else 0
 
     # --- the tier below ------------------------------------------------------------------------
@@ -475,12 +389,11 @@ class PagePool:
         """Hand up to n DIRTY pages to the writer: oldest committed first (write-behind), or least
         recently used first (`lru`: the ones eviction wants next). settle_written ends them."""
         if lru:
-            keys = self._with_dirty_ancestors(list(islice((k for k in self._lru if k in self._dirty), n)))
+            keys = self._with_dirty_ancestors(list(islice((k for k in self._lru if k in self._writes), n)))
         else:
-            keys = list(islice(self._dirty, n))
+            keys = self._writes.oldest(n)
         pages = [self._pages[k] for k in keys]
-        for page in pages:
-            self._in_flight[page.slot] = (page, self._dirty.pop(page.key))
+        self._writes.begin(pages)
         return pages
 
     def _with_dirty_ancestors(self, keys: list[str]) -> list[str]:
@@ -490,7 +403,7 @@ class PagePool:
         seen: set[str] = set()
         for key in keys:
             lineage = []
-            while key is not None and key not in seen and key in self._dirty:
+            while key is not None and key not in seen and key in self._writes:
                 seen.add(key)
                 lineage.append(key)
                 parent = self._pages[key].announce.parent_hash if self._pages[key].announce is not None else None
@@ -502,7 +415,7 @@ class PagePool:
         """The writer is done with pages from take_dirty: CLEAN where the tier below took them,
         else the reason it did not (evicting them later drops them under that reason)."""
         for page, keep in zip(pages, keeps):
-            del self._in_flight[page.slot]
+            self._writes.end(page.slot)
             if page.state is State.DISCARDING:
                 self._free_discarded(page)
             elif page.keep is Keep.DIRTY:
@@ -514,8 +427,7 @@ class PagePool:
         n = 0
         for key in keys:
             page = self._pages.get(key)
-            if page is not None and page.state is State.READY and key in self._dirty:
-                del self._dirty[key]
+            if page is not None and page.state is State.READY and self._writes.discard(key):
                 page.keep = Keep.CLEAN
                 n += 1
         return n

@@ -27,7 +27,8 @@ from ..proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill
 from ..proto.disk_index import DiskStats
 from ..proto.events import AllBlocksCleared, Event
 from ..proto.keys import Namespace, StorageKey, storage_keys
-from ..proto.pool import Page, PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
+from ..proto.page import Page
+from ..proto.pool import PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
 from ..proto import messages as m
 from ..proto.relay import RelayStep
 from ..proto.source import ClaimSource, Released

@@ -19,7 +19,8 @@ from ..proto.claims import Fill
 from ..proto.disk_index import DiskStats
 from ..proto.events import Event
 from ..proto.keys import StorageKey
-from ..proto.pool import Page, PagePool, PoolBusy
+from ..proto.page import Page
+from ..proto.pool import PagePool, PoolBusy
 
 
 @dataclass(frozen=True, slots=True)

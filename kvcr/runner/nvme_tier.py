@@ -20,7 +20,8 @@ from ..drivers.nvme import DiskTier
 from ..proto.disk_index import DiskIndex, DiskStats
 from ..proto.events import Event
 from ..proto.keys import Namespace, StorageKey
-from ..proto.pool import Keep, Page, PoolBusy, PoolError
+from ..proto.page import Keep, Page
+from ..proto.pool import PoolBusy, PoolError
 from .lower import DiskStatistics, DramSide, TieringStatistics
 from .persister import Persister
 

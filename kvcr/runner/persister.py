@@ -14,7 +14,7 @@ import time
 from typing import Callable, Mapping
 
 from ..drivers.nvme import DiskTier, Written
-from ..proto.pool import Keep
+from ..proto.page import Keep
 from .lower import DramSide
 
 log = logging.getLogger(__name__)
