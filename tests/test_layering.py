@@ -162,6 +162,10 @@ def test_the_circle_finder_finds_a_circle_through_several_modules():
     ("kvcr.runner.shards", ("kvcr.runner.dram", "kvcr.runner.store", "kvcr.runner.nvme_tier")),
     ("kvcr.runner.lower", ("kvcr.runner.dram", "kvcr.runner.nvme_tier", "kvcr.runner.shards",
                            "kvcr.runner.store", "kvcr.runner.persister")),
+    ("kvcr.runner.layout", ("kvcr.runner.dram", "kvcr.runner.lower", "kvcr.runner.nvme_tier", "kvcr.runner.shards",
+                            "kvcr.runner.store", "kvcr.runner.persister", "kvcr.runner.statistics")),
+    ("kvcr.runner.statistics", ("kvcr.runner.dram", "kvcr.runner.nvme_tier", "kvcr.runner.shards",
+                                "kvcr.runner.store", "kvcr.runner.persister")),
 ])
 def test_the_runner_layers_parts_know_each_other_only_through_its_interfaces(module, below):
     assert sorted(import_graph()[module] & set(below)) == []

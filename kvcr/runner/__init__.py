@@ -4,6 +4,8 @@ Edges run one way, from the store down:
 
     store.py      builds the parts and joins them (the service holds a Store)
     ├── dram.py       Runner, the DRAM core: region, pools, claims, events, the lock
+    │   ├── layout.py      how the region is carved into pools
+    │   └── statistics.py  what it counts, gathered under its lock
     ├── nvme_tier.py  NvmeTier, the tier below DRAM, and its persister.py thread
     └── shards.py     ShardAssembly, TP ranks writing one page together
     lower.py      the interfaces between DRAM and the tier below (and NoLowerTier)
@@ -12,9 +14,10 @@ The DRAM core knows the tier below only as a `LowerTier`; the tier and shard ass
 core only as `DramSide` and `Fills`.
 """
 
-from .dram import (TIER_ABSENT, TIER_DRAM, TIER_NVME, Grant, PoolLayout, Runner, RunnerStatistics, TierStatistics,
-                   UnknownPool, plan_layout)
+from .dram import TIER_ABSENT, TIER_DRAM, TIER_NVME, Grant, Runner, UnknownPool
+from .layout import PoolLayout, plan_layout
 from .lower import DiskStatistics, LowerTier, NoLowerTier, TieringStatistics
+from .statistics import RunnerStatistics, TierStatistics
 from .store import Store, open_store
 
 __all__ = ["TIER_ABSENT", "TIER_DRAM", "TIER_NVME", "DiskStatistics", "Grant", "LowerTier", "NoLowerTier", "PoolLayout",

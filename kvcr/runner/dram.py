@@ -23,16 +23,17 @@ import xxhash
 from ..config import Config
 from ..drivers.shm import Region, host_id, region_name
 from ..proto.announce import Announce
-from ..proto.claims import Busy, Claim, ClaimError, ClaimStats, ClaimTable, Fill
-from ..proto.disk_index import DiskStats
+from ..proto.claims import Busy, Claim, ClaimError, ClaimTable, Fill
 from ..proto.events import AllBlocksCleared, Event
-from ..proto.keys import Namespace, StorageKey, storage_keys
+from ..proto.keys import StorageKey, storage_keys
 from ..proto.page import Page
-from ..proto.pool import PagePool, PageSizeError, PoolBusy, PoolError, PoolStats, coalesce_stored
+from ..proto.pool import PagePool, PageSizeError, PoolBusy, PoolError, coalesce_stored
 from ..proto import messages as m
 from ..proto.relay import RelayStep
 from ..proto.source import ClaimSource, Released
-from .lower import DramSide, LowerTier, NoLowerTier, TieringStatistics
+from .layout import plan_layout, round_up
+from .lower import DramSide, LowerTier, NoLowerTier
+from .statistics import RunnerStatistics, gather_statistics
 
 
 class UnknownPool(PoolError):
@@ -43,48 +44,9 @@ TIER_ABSENT, TIER_DRAM, TIER_NVME = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
-class TierStatistics:
-    """One pool's tiers at one moment."""
-
-    dram: PoolStats
-    evicted: int                 # DRAM pages evicted for room
-    nvme: DiskStats | None       # None: no NVMe tier
-    write_behind_queue: int      # dirty pages waiting for the NVMe writer
-    write_behind_lag_s: float    # age of the oldest of them (0: none)
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerStatistics:
-    """Everything the runner counts, taken under its lock in one go (metrics, the worker's view)."""
-
-    tiers: tuple[TierStatistics, ...]
-    claims: ClaimStats
-    hits: int
-    misses: int
-    dropped: tuple[tuple[tuple[str, str, str], int], ...]  # ((pool, tier, reason), pages), sorted
-    nvme: TieringStatistics
-    unheld_evicted: int = 0     # pages peers claimed that we held and let go before the claim
-    unheld_never_held: int = 0  # pages peers claimed that we never held (whoever named us was wrong)
-
-    def tier(self, pool: str) -> TierStatistics:
-        return next(t for t in self.tiers if t.dram.name == pool)
-
-
-@dataclass(frozen=True, slots=True)
 class Grant:
     claim: Claim
     reply: m.Granted  # what the peer is told: region offsets, generations, lease, announces, digests
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLayout:
-    name: str
-    offset: int
-    stride: int
-    page_bytes: int
-    num_slots: int
-    namespace: Namespace
-    shards: int = 1  # TP shards side by side in a page (a sidecar's pool)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -95,23 +57,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _round_up(value: int, align: int) -> int:
-    return (value + align - 1) // align * align
-
-
-def plan_layout(cfg: Config) -> list[PoolLayout]:
-    """Carve dram.size into pools; each slot starts on a dram.alignment boundary."""
-    align = cfg.dram.alignment
-    layouts, offset = [], 0
-    for pool in cfg.dram.pools:
-        size = cfg.pool_sizes()[pool.name]
-        stride = _round_up(pool.page_bytes, align)
-        layouts.append(PoolLayout(pool.name, offset, stride, pool.page_bytes, size // stride,
-                                  cfg.namespace_for(pool), pool.shards))
-        offset = _round_up(offset + size, align)
-    return layouts
 
 
 class Runner:
@@ -125,7 +70,7 @@ class Runner:
         self.incarnation = uuid.uuid4().hex[:16]
         self.clock = clock
         self.layouts = {p.name: p for p in plan_layout(cfg)}
-        total = max(_round_up(p.offset + p.stride * p.num_slots, cfg.dram.alignment) for p in self.layouts.values())
+        total = max(round_up(p.offset + p.stride * p.num_slots, cfg.dram.alignment) for p in self.layouts.values())
         name = region_name(cfg.runner.name, os.getpid(), self.incarnation[:8])
         self.region = Region.create(name, total, lock_memory=cfg.dram.lock_memory)
         self.view = self.region.view
@@ -424,23 +369,8 @@ class Runner:
 
     def statistics(self) -> RunnerStatistics:
         with self.lock:
-            now = self.clock()
-            tiers = tuple(self._tier_statistics(name, pool, now) for name, pool in self.pools.items())
-            return RunnerStatistics(tiers, self.claims.statistics(), self.hits, self.misses,
-                                    tuple(sorted(self.dropped().items())), self._lower.statistics(),
-                                    self.unheld["evicted"], self.unheld["never_held"])
-
-    def _tier_statistics(self, name: str, pool: PagePool, now: float) -> TierStatistics:
-        below = name in self._lower.pools
-        since = pool.oldest_dirty_since() if below else None
-        return TierStatistics(pool.statistics(), pool.num_evicted, self._lower.index_statistics(name),
-                              pool.num_dirty if below else 0, 0.0 if since is None else max(0.0, now - since))
-
-    def dropped(self) -> dict[tuple[str, str, str], int]:
-        """Pages a tier let go that no tier below kept: (pool, tier, reason) -> count (under the lock)."""
-        out = {(name, "dram", reason): n for name, p in self.pools.items() for reason, n in p.dropped.items()}
-        out.update({(name, "nvme", "evicted"): n for name, n in self._lower.evicted().items()})
-        return out
+            return gather_statistics(self.pools, self.claims.statistics(), self._lower, self.clock(),
+                                     hits=self.hits, misses=self.misses, unheld=self.unheld)
 
     # --- inventory ---------------------------------------------------------------------------
 

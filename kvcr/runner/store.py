@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 from ..config import Config
 from ..proto.events import Event
-from .dram import Runner, plan_layout
+from .dram import Runner
+from .layout import plan_layout
 from .lower import DramSide, LowerTier, NoLowerTier
 from .nvme_tier import NvmeTier
 from .shards import ShardAssembly
