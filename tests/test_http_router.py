@@ -427,7 +427,7 @@ def test_a_salted_request_is_matched_in_its_own_cache_namespace(tmp_path):
     router = Router(cfg)
     for entry in cfg.workers:  # publishers nobody serves: the index is fed below
         router.core.add(Publisher(entry.name, 0, 16, "tcp://127.0.0.1:9", None, f"tcp://{entry.name}.invalid:1"))
-        router.entries[(entry.name, 0)] = entry
+        router.fleet.entries[(entry.name, 0)] = entry
     text = PROMPT * 2
     tokens = router.tokenizer.encode(text)
     (event,) = coalesce_announces(announce_request(tokens, 16, cache_salt="tenant-a"), 16, "CPU_TIER1")
@@ -477,7 +477,7 @@ def test_pinning_a_worker_and_the_index_view_need_the_operator(router_keys, head
     cfg = parse_router_config({"router": router_keys, "workers": [{"name": "w0", "url": "http://127.0.0.1:1"}]})
     router = Router(cfg)
     router.core.add(Publisher("w0", 0, 16, "tcp://127.0.0.1:9", None, None))  # nobody serves it: not needed
-    router.entries[("w0", 0)] = cfg.workers[0]
+    router.fleet.entries[("w0", 0)] = cfg.workers[0]
 
     async def ask() -> list:
         async with TestClient(TestServer(router.app())) as client:
