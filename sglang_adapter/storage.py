@@ -9,9 +9,7 @@ what arrived whole is reported). A claim SGLang never collects is given back aft
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
 from enum import Enum
 
 import torch
@@ -25,11 +23,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvcr.config import load_config
 from kvcr.drivers.claim_holder import ClaimHolder
 from kvcr.proto.announce import Announce
-from kvcr.proto.events import EventError
-from kvcr.proto.page import Page
 from kvcr.proto.pool import PoolError
 from kvcr.peer_pulls import PeerPulls
 from kvcr.runner import TIER_ABSENT, Runner
@@ -38,14 +33,15 @@ from kvcr.service import Service
 from . import hooks
 from .config import parse_adapter_config
 from .lookup import ConfirmedLookup
-from .layout import KeyLayout, LayoutError, PageLayout, gather, scatter
+from .host_pages import HostPages
+from .layout import KeyLayout, LayoutError
+from .runner_setup import POOL, key_layout, runner_config
 from .pagemeta import AnnounceChain, plain_key_events, restorable
 from .peering import Peering
 from .transfer_stats import TransferStats
 from .hint_source import request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
-POOL = "kv"
 
 hooks.install_if_launched()
 
@@ -74,6 +70,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
         self.layouts: dict[str, KeyLayout] = {}  # per host pool: what one key holds of it
         self.mem_pool_host = None
         self.claims: ClaimHolder | None = None  # with the runner's puller: the claims we take at peers
+        self.host: HostPages | None = None  # with the runner
         self._start_lock = threading.Lock()
         self._chain: AnnounceChain | None = None  # made once the KV pool's page size is known
         self.stats = TransferStats()
@@ -85,7 +82,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         try:
-            self._add_layout(POOL, mem_pool_host)
+            self.layouts[POOL] = key_layout(mem_pool_host, self.layouts, self.storage_page_size)
         except LayoutError:  # a hybrid model's logical anchor has no pages: its KV pool comes via v2
             log.info("kvcr: the anchor host pool has no page buffers; waiting for the v2 pools")
 
@@ -93,17 +90,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = _pool_name(host_pool_name)
         if name not in self.layouts:
-            self._add_layout(name, host_pool)
-
-    def _add_layout(self, name: str, pool) -> None:
-        page = PageLayout.of(pool)
-        kv_page = self.layouts[POOL].page.page_size if POOL in self.layouts else page.page_size
-        span = (self.storage_page_size or kv_page) // kv_page
-        if self.storage_page_size and self.storage_page_size % kv_page:
-            raise ValueError(f"kvcr: storage_page_size {self.storage_page_size} is not a multiple of the page "
-                             f"size {kv_page}")
-        # KV and KV-derived pools hold a span of pages per key; state pools (Mamba) one slot.
-        self.layouts[name] = KeyLayout(page, span if page.page_size == kv_page else 1)
+            self.layouts[name] = key_layout(host_pool, self.layouts, self.storage_page_size)
 
     def on_host_pools_registered(self) -> None:
         self._start()
@@ -113,37 +100,15 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             if self.service is None:
                 if not self.layouts:
                     raise RuntimeError("kvcr: no host pool with page buffers was registered")
-                service = Service(self._runner_config()).start()
+                service = Service(runner_config(self.storage_config, self.cfg, self.layouts,
+                                                interface_v1=self.interface_v1)).start()
                 if service.claims is not None:  # claims we take outlive an uncollected prefetch
                     service.claims.puller.lease_s = self.cfg.claim_lease_s
                     self.claims = service.claims
                 self.peering = Peering.join(self.cfg, service)
+                self.host = HostPages(service.runner, service.pulls, self.claims, self.layouts, self.stats)
                 self.service = service  # last: a lookup that sees the service sees its parts
             return self.service
-
-    def _runner_config(self):
-        sc, kv = self.storage_config, next(iter(self.layouts.values())).page
-        model = sc.model_name or self.cfg.model or "default"
-        forced = {"runner.block_size": kv.page_size, "runner.dp_rank": sc.dp_rank,
-                  "runner.pull_timeout_s": self.cfg.pull_timeout_s, "namespace.model": model,
-                  "namespace.is_mla": sc.is_mla_model, "namespace.dtype": kv.dtype,
-                  "namespace.cp_size": sc.attn_cp_size, "namespace.cp_rank": sc.attn_cp_rank,
-                  # v1 pages are the segments in host-layout order; legacy pages are flat tensors
-                  "namespace.layout": kv.layout if self.interface_v1 else f"flat-{kv.layout}",
-                  "dram.pools": self._pool_configs()}
-        # "auto": a peer on this host is copied from its pool mapped read-only (UCX emulates GETs
-        # over shared memory, at half the speed); peers elsewhere are read with UCX GETs.
-        defaults = {"runner.name": f"sglang-dp{sc.dp_rank}", "runner.peers": ["*"], "runner.transfer": "auto"}
-        raw = {**defaults, **self.cfg.runner, **forced}
-        if len(self.layouts) > 1:  # every pool holds as many keys as the others
-            size = load_config(self.cfg.runner_config or None, raw).dram.size
-            keys = size // sum(lay.bytes + 4096 for lay in self.layouts.values())
-            raw["dram.pools"] = [{**p, "size": keys * (lay.bytes + 4096)}
-                                 for p, lay in zip(raw["dram.pools"], self.layouts.values())]
-        return load_config(self.cfg.runner_config or None, raw)
-
-    def _pool_configs(self) -> list[dict]:
-        return [{"name": name, "page_bytes": lay.bytes} for name, lay in self.layouts.items()]
 
     @property
     def runner(self) -> Runner:
@@ -226,74 +191,23 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._read(POOL, keys, host_indices, self.mem_pool_host)
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        return self._write(POOL, keys, host_indices, self.mem_pool_host, self._announces(keys, extra_info))
-
     def _read(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool) -> list[bool]:
-        """Leading pages of `name` into the host slots: ours first, then (KV) what peers confirmed."""
-        start = time.perf_counter()
         self._expire_pending()
-        layout, runner = self.layouts[name], self.runner
-        segments = layout.key_segments(host_pool, host_indices, len(keys))
-        # pages a peer confirmed are not asked of our pools (they are no local misses)
-        local = self.claims.first_claimed(keys) if name == POOL and self.claims is not None else len(keys)
-        with runner.pinned(name, self._keys(keys[:local], name)) as pages:
-            scatter([(runner.region_address + runner.offset(name, page.slot), segs)
-                     for page, segs in zip(pages, segments)], layout.segment_bytes)
-            n = len(pages)
-        if name == POOL and self.claims is not None:
-            n += self._pull_confirmed(keys, segments, n)
-        self.stats.prefetched(n, start)
-        return [i < n for i in range(len(keys))]
-
-    def _pull_confirmed(self, keys: list[str], segments: list[list[int]], n: int) -> int:
-        def keep(first: int, count: int, conf) -> None:
-            try:
-                announces = conf.announces()[:count]
-            except EventError as exc:  # delivered to SGLang all the same; we just do not keep them
-                log.warning("kvcr: pulled pages not kept: the source's announces are malformed: %s", exc)
-                return
-            self._keep_pulled(keys[first:first + count], segments[first:first + count], announces)
-
-        delivered = self.claims.deliver(keys, segments, n, self.layouts[POOL].segment_bytes, on_delivered=keep)
-        self.stats.from_peers(delivered)
-        return delivered
-
-    def _keep_pulled(self, keys: list[str], segments: list[list[int]], announces: list) -> None:
-        """Pages a peer delivered into host pages are ours too (SGLang backs up only what it
-        computed): stored with the source's announces, in chain order, so our stream stays whole
-        and the next request hits here."""
-        if self._store(POOL, keys, segments, announces):
-            self.pulls.count_pulled(len(keys))
+        return self._host_pages().read(name, keys, host_indices, host_pool)
 
     def _write(self, name: str, keys: list[str], host_indices: torch.Tensor, host_pool,
                announces: list[Announce] | None = None) -> list[bool]:
-        """Back up host pages; a key already present (or being written) counts as stored."""
-        start = time.perf_counter()
-        segments = self.layouts[name].key_segments(host_pool, host_indices, len(keys))
-        ok = self._store(name, keys, segments, announces)
-        self.stats.backed_up(len(keys), start)
-        return [ok] * len(keys)
+        return self._host_pages().write(name, keys, host_indices, host_pool, announces)
 
-    def _store(self, name: str, keys: list[str], segments: list[list[int]], announces) -> bool:
-        """Copy host pages (their segments) into runner slots and commit them."""
-        layout, runner = self.layouts[name], self.runner
-        try:
-            fill = runner.reserve(name, self._keys(keys, name), announces, lease_s=math.inf)
-        except (PoolError, EventError) as exc:  # no room, or announces the runner cannot use
-            log.warning("kvcr: storing %d %s pages refused: %s", len(keys), name, exc)
-            return False
-        ok = True
-        try:
-            gather([(segs, runner.region_address + runner.offset(name, page.slot))
-                    for page, segs in zip(fill.pages, segments) if isinstance(page, Page)], layout.segment_bytes)
-        except BaseException:
-            ok = False
-            raise
-        finally:
-            runner.commit(fill.fill_id, None if ok else [False] * len(keys))
-        return True
+    def _host_pages(self) -> HostPages:
+        if self.host is None:
+            self._start()
+        return self.host
+
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._write(POOL, keys, host_indices, self.mem_pool_host, self._announces(keys, extra_info))
 
     # --- v2: several host pools per key (hybrid models; span mode) ------------------------------
 
