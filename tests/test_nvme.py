@@ -268,7 +268,7 @@ def test_shutdown_writes_the_pages_spill_had_not_written_yet(tmp_path):
 
 
 def test_a_repeated_write_failure_is_logged_once_per_interval_with_a_count(caplog):
-    from kvcr.drivers.nvme import ThrottledWarning
+    from kvcr.drivers.io_stats import ThrottledWarning
     now = [0.0]
     w = ThrottledWarning(interval_s=10.0, clock=lambda: now[0])
     with caplog.at_level("WARNING", logger="kvcr.drivers.nvme"):

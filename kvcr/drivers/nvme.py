@@ -9,74 +9,31 @@ module performs them and reports back, under the owner's lock.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
-import fcntl
 import json
 import logging
-import math
 import os
-import struct
 import threading
 import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Sequence
 
-import msgpack
 import xxhash
 
 from ..proto.announce import Announce
-from ..proto.disk_index import DiskEntry, DiskFull, DiskIndex, root_first
+from ..proto.disk_index import DiskEntry, DiskFull, DiskIndex
 from ..proto.keys import PAGE_HEX_DIGITS, KeyFormatError, Namespace, check_page_hex
+from .io_stats import LatencyHistogram, ThrottledWarning
+from .nvme_manifest import FORMAT_FILE, ManifestFile, ManifestRecords, put_record
+from .nvme_scan import StartupScan
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
-MANIFEST = "manifest.kvcr"
-MANIFEST_LOCK = "manifest.lock"
-FORMAT_FILE = "format.json"
-_RECORD = struct.Struct("<I")
-SCAN_BATCH = 1024
 VERIFY_MODES = ("first_read", "always", "never")
-
-
-ManifestRecords = dict[str, tuple[int, int | None, "Announce | None"]]
-
-
-def parse_manifest(data: bytes) -> tuple[ManifestRecords, int]:
-    """The manifest's live records (name -> size, digest, announce) and how many records were bad.
-
-    Records are length-prefixed msgpack `["put", name, size, digest, announce]` or `["del", name]`;
-    a torn final record (a crash while appending) ends the file, a bad one is counted and skipped."""
-    out: ManifestRecords = {}
-    bad, pos = 0, 0
-    while pos + 4 <= len(data):
-        (n,) = _RECORD.unpack_from(data, pos)
-        if pos + 4 + n > len(data):
-            break
-        try:
-            _apply_record(out, msgpack.unpackb(data[pos + 4:pos + 4 + n]))
-        except (ValueError, TypeError, msgpack.UnpackException):  # EventError is a ValueError
-            bad += 1
-        pos += 4 + n
-    return out, bad
-
-
-def _apply_record(out: ManifestRecords, rec: object) -> None:
-    if not isinstance(rec, list) or not rec or rec[0] not in ("put", "del") or len(rec) != (5 if rec[0] == "put" else 2) \
-            or not isinstance(rec[1], str):
-        raise ValueError(f"not a manifest record: {rec!r:.80}")
-    if rec[0] == "del":
-        out.pop(rec[1], None)
-        return
-    _, name, size, page_digest, announce = rec
-    if type(size) is not int or size < 0 or not (page_digest is None or type(page_digest) is int):
-        raise ValueError(f"manifest record for {name!r}: size {size!r:.20} or digest {page_digest!r:.20} is not a count")
-    out[name] = (size, page_digest, Announce.from_wire(announce) if announce else None)
 
 
 class DiskError(RuntimeError):
@@ -103,41 +60,6 @@ def digest(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-class ThrottledWarning:
-    """A warning logged at most once per `interval_s` per kind; the next one says how many were
-    held back (a failing disk fails every page: the log should say so once, not per page)."""
-
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s, self.clock = interval_s, clock
-        self._last: dict[str, float] = {}
-        self._held: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def warn(self, kind: str, msg: str, *args: object) -> None:
-        with self._lock:
-            now = self.clock()
-            if now - self._last.get(kind, -math.inf) < self.interval_s:
-                self._held[kind] += 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        log.warning(msg + (f" ({held} more like it since the last report)" if held else ""), *args)
-
-
-@dataclass
-class LatencyHistogram:
-    """Fixed buckets (seconds), filled by the I/O threads and read at scrape time."""
-
-    bounds: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
-    counts: list[int] = field(default_factory=lambda: [0] * 10)
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        i = next((i for i, b in enumerate(self.bounds) if seconds <= b), len(self.bounds))
-        self.counts[i] += 1
-        self.total += seconds
-
-
 class DiskTier:
     def __init__(self, root: str | Path, ns: Namespace, *, page_bytes: int, index: DiskIndex,
                  lock: threading.RLock, flush: Callable[[], None], read_workers: int = 4,
@@ -157,15 +79,14 @@ class DiskTier:
         self.min_free_space = min_free_space
         self.stale_temp_age_s = stale_temp_age_s
         self.errors: Counter[str] = Counter()
-        self.num_foreign = 0
-        self.num_stale_temp_removed = 0
         self.num_lost_races = 0
         self.read_latency = LatencyHistogram()
         self.write_latency = LatencyHistogram()
         self.write_failures = ThrottledWarning()
         self.scan_done = threading.Event()
-        self._manifest_lock = threading.Lock()
         self._prepare_dir()
+        self.manifest = ManifestFile(self.dir)
+        self.scanner = StartupScan(self)
         self._readers = ThreadPoolExecutor(read_workers, thread_name_prefix="kvcr-nvme-read")
         self._writers = ThreadPoolExecutor(write_workers, thread_name_prefix="kvcr-nvme-write")
         self._workers = {self._readers: read_workers, self._writers: write_workers}
@@ -202,54 +123,23 @@ class DiskTier:
 
     # --- manifest ------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _manifest_locked(self) -> Iterator[None]:
-        """This process's lock, then the directory's (other processes append too). The flock is on
-        its own file: the manifest itself is replaced when compacted."""
-        with self._manifest_lock:
-            fd = os.open(self.dir / MANIFEST_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)
-
-    def _append_manifest(self, records: Iterable[list]) -> None:
-        blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
-        if not blob:
-            return
-        with self._manifest_locked():
-            fd = os.open(self.dir / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, blob)
-            finally:
-                os.close(fd)
-
-    def read_manifest(self) -> dict[str, tuple[int, int | None, Announce | None]]:
-        try:
-            data = (self.dir / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            return {}
-        records, bad = parse_manifest(data)
+    def read_manifest(self) -> ManifestRecords:
+        records, bad = self.manifest.read()
         self.errors["manifest_record"] += bad
         return records
 
     def compact_manifest(self) -> None:
         """Rewrite the manifest from the index. Under the manifest lock, so no append is lost; our
         own writes commit to the index before they append, so the snapshot has them."""
-        with self._manifest_locked():
+        with self.manifest.locked():
             with self.lock:
                 entries = self.index.entries_root_first()
-            records = [["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
-                       for e in entries if e.digest is not None]
+            records = [put_record(e.name, e.size, e.digest, e.announce) for e in entries if e.digest is not None]
             # Records other processes appended since our scan are kept as they are.
             ours = {e.name for e in entries}
             theirs = {n: v for n, v in self.read_manifest().items() if n not in ours}
-            records += [["put", n, size, d, a.to_wire() if a else None] for n, (size, d, a) in theirs.items()]
-            blob = b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))
-            tmp = self.dir / f".{uuid.uuid4().hex}.tmp"
-            tmp.write_bytes(blob)
-            os.replace(tmp, self.dir / MANIFEST)
+            records += [put_record(n, size, d, a) for n, (size, d, a) in theirs.items()]
+            self.manifest.replace(records)
 
     # --- writes ------------------------------------------------------------------------------------
 
@@ -272,7 +162,7 @@ class DiskTier:
         results = self._fan_out(self._writers, self._write_one, names, list(views), announces, plans)
         # Record and commit in chain order, in one step: parents are announced before their children.
         published = [r for r in results if isinstance(r, DiskEntry)]
-        self._append_manifest([["put", e.name, e.size, e.digest, e.announce.to_wire() if e.announce else None]
+        self.manifest.append([put_record(e.name, e.size, e.digest, e.announce)
                                for e in published])
         with self.lock:
             self.index.commit_batch(published)
@@ -345,7 +235,7 @@ class DiskTier:
             self.write_latency.observe(time.perf_counter() - t0)
             return DiskEntry(name, len(view), page_digest, announce, (st.st_ino, st.st_mtime_ns))
         except OSError as exc:
-            self._count_error(exc)
+            self.count_error(exc)
             self.write_failures.warn(errno.errorcode.get(exc.errno or 0, "EIO"), "nvme write of %s failed: %s", name,
                                      exc)
             with self.lock:
@@ -356,7 +246,7 @@ class DiskTier:
                 try:
                     os.unlink(tmp)
                 except OSError as exc:  # e.g. the filesystem went read-only meanwhile
-                    self._count_error(exc)
+                    self.count_error(exc)
 
     def _make_room(self, size: int) -> None:
         if not self.min_free_space:
@@ -371,7 +261,7 @@ class DiskTier:
             if st.f_bavail * st.f_frsize - size < self.min_free_space:
                 raise OSError(errno.ENOSPC, f"nvme.min_free_space = {self.min_free_space} bytes would be crossed")
 
-    def _count_error(self, exc: OSError) -> None:
+    def count_error(self, exc: OSError) -> None:
         self.errors[errno.errorcode.get(exc.errno or 0, "EIO")] += 1
 
     def _unlink(self, entries: Sequence[DiskEntry]) -> None:
@@ -381,8 +271,8 @@ class DiskTier:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                self._count_error(exc)
-        self._append_manifest([["del", e.name] for e in entries if e.digest is not None])
+                self.count_error(exc)
+        self.manifest.append([["del", e.name] for e in entries if e.digest is not None])
 
     def evict_to_watermark(self) -> int:
         with self.lock:
@@ -443,13 +333,13 @@ class DiskTier:
                 self.index.remove([name])
             return False
         except OSError as exc:
-            self._count_error(exc)
+            self.count_error(exc)
             return False
         try:
             st = os.fstat(fd)
             got = _pread_all(fd, buf[:self.page_bytes]) if st.st_size == self.page_bytes else -1
         except OSError as exc:
-            self._count_error(exc)
+            self.count_error(exc)
             return False
         finally:
             os.close(fd)
@@ -471,53 +361,16 @@ class DiskTier:
     # --- startup scan --------------------------------------------------------------------------------
 
     def start_scan(self) -> threading.Thread:
-        thread = threading.Thread(target=self.scan, name="kvcr-nvme-scan", daemon=True)
+        thread = threading.Thread(target=self.scanner.run, name="kvcr-nvme-scan", daemon=True)
         thread.start()
         return thread
 
     def scan(self) -> None:
-        """Rebuild the inventory from disk, announcing pages in batches as it goes.
+        """Rebuild the inventory from disk (see StartupScan); start_scan runs it in a thread."""
+        self.scanner.run()
 
-        Pages we wrote are adopted roots first, so parents are announced before their children
-        (a consumer that replays or takes a snapshot meanwhile sees whole chains); then the directory is swept for pages other programs wrote, abandoned
-        temporary files and foreign files.
-        """
-        try:
-            manifest = self.read_manifest()
-            found: list[DiskEntry] = []
-            for name, (size, page_digest, announce) in manifest.items():
-                if not self._is_page_name(name):
-                    self.errors["manifest_record"] += 1
-                    continue
-                entry = self._check_file(name, size, DiskEntry(name, size, page_digest, announce))
-                if entry is not None:
-                    found.append(entry)
-            ordered = root_first(found)
-            for start in range(0, len(ordered), SCAN_BATCH):
-                self._adopt_batch(ordered[start:start + SCAN_BATCH])
-            batch: list[DiskEntry] = []
-            with os.scandir(self.dir) as it:
-                for item in it:
-                    try:
-                        entry = self._sweep_entry(item, manifest)
-                    except FileNotFoundError:  # a writer renamed or removed it meanwhile
-                        continue
-                    if entry is not None:
-                        batch.append(entry)
-                    if len(batch) >= SCAN_BATCH:
-                        self._adopt_batch(batch)
-            self._adopt_batch(batch)
-            if self.num_stale_temp_removed:
-                log.warning("nvme: removed %d temporary file(s) in %s left by writers that died",
-                            self.num_stale_temp_removed, self.dir)
-            self.compact_manifest()
-        except OSError as exc:
-            self._count_error(exc)
-            log.error("nvme scan of %s failed: %s", self.dir, exc)
-        finally:
-            self.scan_done.set()
-
-    def _is_page_name(self, stem: object) -> bool:
+    def is_page_name(self, stem: object) -> bool:
+        """A file name (without `.bin`) this tier's naming gives a page."""
         if not (isinstance(stem, str) and stem.endswith(self.suffix)
                 and len(stem) == PAGE_HEX_DIGITS + len(self.suffix)):
             return False
@@ -527,44 +380,13 @@ class DiskTier:
             return False
         return True
 
-    def _check_file(self, name: str, expected: int, entry: DiskEntry) -> DiskEntry | None:
-        """The entry if its file is whole; a partial or wrong-sized file is removed and counted."""
-        path = self.path(name)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return None
-        if size != self.page_bytes or size != expected:
-            path.unlink(missing_ok=True)  # never served
-            with self.lock:
-                self.index.num_corrupt += 1
-            return None
-        return entry
+    @property
+    def num_foreign(self) -> int:
+        return self.scanner.num_foreign
 
-    def _sweep_entry(self, item: os.DirEntry, manifest: dict) -> DiskEntry | None:
-        name = item.name
-        if name.endswith(".tmp"):
-            if time.time() - item.stat().st_mtime >= self.stale_temp_age_s:
-                os.unlink(item.path)  # abandoned by a writer that died
-                self.num_stale_temp_removed += 1
-            return None
-        stem = name[:-4]
-        if not (name.endswith(".bin") and self._is_page_name(stem)):
-            if name not in (MANIFEST, MANIFEST_LOCK, FORMAT_FILE):
-                self.num_foreign += 1
-            return None
-        if stem in manifest:
-            return None  # handled in manifest order
-        # Written by another program (HiCacheFile): no digest, no tokens; served, never announced.
-        return self._check_file(stem, self.page_bytes, DiskEntry(stem, self.page_bytes, None, None))
-
-    def _adopt_batch(self, batch: list[DiskEntry]) -> None:
-        with self.lock:
-            for entry in batch:
-                self.index.adopt(entry)
-            self.index.touch([e.name for e in batch])  # each chain's tail is evicted before its head
-        batch.clear()
-        self.flush()
+    @property
+    def num_stale_temp_removed(self) -> int:
+        return self.scanner.num_stale_temp_removed
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)

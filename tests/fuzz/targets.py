@@ -114,7 +114,7 @@ def _request_body(data: bytes) -> Any:
 
 
 def _manifest(data: bytes) -> Any:
-    from kvcr.drivers.nvme import parse_manifest
+    from kvcr.drivers.nvme_manifest import parse_manifest
     records, _ = parse_manifest(data)
     return records
 
@@ -161,7 +161,7 @@ def _body_seeds() -> list[bytes]:
 
 
 def _manifest_seeds() -> list[bytes]:
-    from kvcr.drivers.nvme import _RECORD
+    from kvcr.drivers.nvme_manifest import _RECORD
     records = [["put", "ab" * 32 + "_m_1_2.bin", 8192, 12345, None], ["del", "ab" * 32 + "_m_1_2.bin"],
                ["put", "cd" * 32 + "_m_1_2.bin", 8192, None, [7, None, [1, 2, 3, 4], None, None]]]
     return [b"".join(_RECORD.pack(len(p)) + p for p in (msgpack.packb(r) for r in records))]
