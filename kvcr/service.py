@@ -60,7 +60,7 @@ class Service:
         self.control = ControlServer(self.ctx, handlers, endpoint=cfg.runner.control_endpoint, gate=self.gate,
                                      tcp_serves_region=cfg.secured or cfg.runner.insecure,
                                      local_path=socket_path(self.runner.region.path) if cfg.runner.local_control else "")
-        self.relay = EngineRelay(self.ctx, self.runner, endpoint=ev.engine_endpoint,
+        self.relay = EngineRelay(self.ctx, self.runner, self.runner.events, endpoint=ev.engine_endpoint,
                                  replay_endpoint=ev.engine_replay_endpoint,
                                  hold_s=ev.engine_hold_s) if ev.engine_endpoint else None
         self.metrics = make_registry(self)  # an embedding process may register its own collectors here
@@ -97,7 +97,7 @@ class Service:
             self.plane.register_region(self.runner.region.address, self.runner.region.size,
                                        ranges=[(lay.offset, lay.stride * lay.num_slots, lay.stride)
                                                for lay in self.runner.layouts.values()])
-        self.runner.announce_start()
+        self.runner.events.announce_start()
         self.store.start_scans()
         self._housekeeper.start()
         if self.relay is not None:
@@ -112,7 +112,7 @@ class Service:
         """The inventory and the seq of the last batch it reflects (taken atomically)."""
         with self.runner.lock:
             engine = self.relay.mirror.inventory() if self.relay is not None else []
-            return self.publisher.last_seq, [*self.runner.inventory(), *engine]
+            return self.publisher.last_seq, [*self.runner.events.inventory(), *engine]
 
     def health(self) -> list[str]:
         """What is broken (empty when healthy): a dead thread stops events or requests silently."""

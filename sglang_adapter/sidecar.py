@@ -217,10 +217,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         self.writer.client.request(m.Remove(pool=POOL, everything=True))
 
     def close(self) -> None:
-        self.claims.close()
-        if self.claims.has_puller:
-            self.claims.puller.close()
-            self.claims.puller.plane.close()
+        self.claims.close(puller=True)
         with self._writers_lock:
             writers, self._writers = self._writers, []
         for writer in writers:

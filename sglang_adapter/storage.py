@@ -103,7 +103,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                 service = Service(runner_config(self.storage_config, self.cfg, self.layouts,
                                                 interface_v1=self.interface_v1)).start()
                 if service.claims is not None:  # claims we take outlive an uncollected prefetch
-                    service.claims.puller.lease_s = self.cfg.claim_lease_s
+                    service.claims.ask_lease(self.cfg.claim_lease_s)
                     self.claims = service.claims
                 self.peering = Peering.join(self.cfg, service)
                 self.host = HostPages(service.runner, service.pulls, self.claims, self.layouts, self.stats)

@@ -164,6 +164,8 @@ def test_the_circle_finder_finds_a_circle_through_several_modules():
                            "kvcr.runner.store", "kvcr.runner.persister")),
     ("kvcr.runner.layout", ("kvcr.runner.dram", "kvcr.runner.lower", "kvcr.runner.nvme_tier", "kvcr.runner.shards",
                             "kvcr.runner.store", "kvcr.runner.persister", "kvcr.runner.statistics")),
+    ("kvcr.runner.events", ("kvcr.runner.dram", "kvcr.runner.nvme_tier", "kvcr.runner.shards",
+                            "kvcr.runner.store", "kvcr.runner.persister", "kvcr.drivers")),
     ("kvcr.runner.statistics", ("kvcr.runner.dram", "kvcr.runner.nvme_tier", "kvcr.runner.shards",
                                 "kvcr.runner.store", "kvcr.runner.persister")),
 ])

@@ -293,7 +293,7 @@ def test_a_span_is_announced_as_its_engine_pages_continuing_the_chain(span):
     assert backend.batch_set_v1(keys[:1], kv_pool.alloc(SPAN * PAGE), first) == [True]
     assert backend.batch_set_v1(keys[1:], kv_pool.alloc(2 * SPAN * PAGE), rest) == [True, True]
     with backend.runner.lock:
-        stored = [e for e in backend.runner.inventory() if isinstance(e, BlockStored)]
+        stored = [e for e in backend.runner.events.inventory() if isinstance(e, BlockStored)]
     assert [h for e in stored for h in e.block_hashes] == [hash_str_to_int64(h) for h in engine]
     assert stored[0].parent_block_hash is None and all(e.block_size == PAGE for e in stored)
     with backend.runner.lock:  # the pool's own events, before the runner publishes them

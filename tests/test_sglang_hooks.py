@@ -81,7 +81,7 @@ def test_backed_up_pages_carry_their_tokens_and_are_announced(backends):
     indices = pool.alloc(5 * PAGE)
     controller(a, pool)._page_backup(StorageOperation(indices, tokens, hash_value=keys, prefix_keys=[]))
     with a.runner.lock:
-        stored = [e for e in a.runner.inventory() if isinstance(e, BlockStored)]
+        stored = [e for e in a.runner.events.inventory() if isinstance(e, BlockStored)]
     assert [h for e in stored for h in e.block_hashes] == [hash_str_to_int64(k) for k in keys]
     assert [t for e in stored for t in e.token_ids] == tokens
     assert stored[0].parent_block_hash is None
@@ -380,7 +380,7 @@ def test_a_salted_requests_backup_is_announced_with_the_hashes_the_engine_publis
     controller(backend, pool)._page_backup(StorageOperation(spec.host_value, list(spec.token_ids),
                                                             hash_value=spec.hash_value, prefix_keys=[]))
     with backend.runner.lock:
-        stored = [e for e in backend.runner.inventory() if isinstance(e, BlockStored)]
+        stored = [e for e in backend.runner.events.inventory() if isinstance(e, BlockStored)]
     assert [h for e in stored for h in e.block_hashes] == event_hashes(tokens, PAGE, extra_key="lora-x",
                                                                       cache_salt="salt")
     assert stored[0].lora_name == "lora-x" and stored[0].cache_salt == "salt"

@@ -49,6 +49,11 @@ class ClaimHolder:
     def has_puller(self) -> bool:
         return self._puller is not None
 
+    def ask_lease(self, lease_s: float) -> None:
+        """Claims taken from now on ask their source to hold them this long (an SGLang backend's
+        claims wait for a prefetch that may never collect them); 0: the source's default."""
+        self.puller.lease_s = lease_s
+
     def covered(self, keys: list[str], start: int, owner: str | None) -> int:
         """`owner` (a request) looks up `keys` again: how far from `start` the claims it counts on
         reach (another rank's query, a retry, a prefix two requests share). Its grants count again
@@ -151,10 +156,15 @@ class ClaimHolder:
         self._give_back(gone)
         return len(gone)
 
-    def close(self) -> None:
+    def close(self, *, puller: bool = False) -> None:
+        """Give back every claim held; with `puller`, then close the puller `make_puller` made and
+        its data plane (a holder that made its own, as a sidecar rank's)."""
         with self._lock:
             gone = self._ledger.drain()
         self._give_back(gone)
+        if puller and self._puller is not None:
+            self._puller.close()
+            self._puller.plane.close()
 
     def _give_back(self, claims: list[HeldClaim]) -> None:
         for claim in claims:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -16,20 +17,26 @@ from .zmq_replay import ReplayAnswer, fetch_replay
 from ..proto.events import BlockStored, EventError, decode_frames
 from ..proto.relay import EngineMirror, RelayStep
 
+if TYPE_CHECKING:
+    from ..runner.events import EventStream
+
 log = logging.getLogger(__name__)
 
 
 class EngineRelay:
-    def __init__(self, ctx: zmq.Context, runner, *, endpoint: str, replay_endpoint: str = "",
+    def __init__(self, ctx: zmq.Context, runner, events: EventStream, *, endpoint: str, replay_endpoint: str = "",
                  replay_timeout_s: float = 2.0, hold_s: float = 0.0) -> None:
+        """`runner`: its lock, clock and what it holds; `events`: its event stream, which engine
+        batches join."""
         self._ctx = ctx
         self.runner = runner
+        self.events = events
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
         self.mirror = EngineMirror(block_size=runner.cfg.runner.block_size, hold_s=hold_s,
                                    runner_holds=runner.holds_event_hash)
-        runner.follower = self._runner_published
+        events.follower = self._runner_published
         self.num_relayed = 0
         self.num_malformed = 0
         self.num_problems = 0
@@ -76,7 +83,7 @@ class EngineRelay:
         with self.runner.lock:
             self.rebuilt_complete = self.mirror.rebuild(answer.batches, self.runner.clock())
             if self.rebuilt_complete:
-                self.runner.relay(RelayStep(events=tuple(self.mirror.inventory())))
+                self.events.relay(RelayStep(events=tuple(self.mirror.inventory())))
         if not self.rebuilt_complete:
             log.warning("engine replay no longer starts at seq 0: its blocks are announced again only as "
                         "the engine re-stores them")
@@ -118,7 +125,7 @@ class EngineRelay:
             self.num_problems += 1
             log.warning("engine stream: %s", step.problem)
         if step.events or step.resync:
-            self.runner.relay(step)
+            self.events.relay(step)
             self.num_relayed += 1
 
     def _replay(self, start: int) -> ReplayAnswer | None:

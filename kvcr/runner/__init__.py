@@ -3,7 +3,8 @@
 Edges run one way, from the store down:
 
     store.py      builds the parts and joins them (the service holds a Store)
-    ├── dram.py       Runner, the DRAM core: region, pools, claims, events, the lock
+    ├── dram.py       Runner, the DRAM core: region, pools, claims, the lock
+    │   ├── events.py      EventStream: what it changed, published in order; the inventory
     │   ├── layout.py      how the region is carved into pools
     │   └── statistics.py  what it counts, gathered under its lock
     ├── nvme_tier.py  NvmeTier, the tier below DRAM, and its persister.py thread

@@ -1,4 +1,5 @@
-"""Runner: the DRAM core, that is the region, its pools, claims and the event stream, behind one lock.
+"""Runner: the DRAM core, that is the region, its pools and claims, behind one lock; what they
+change goes out through its EventStream (events.py).
 
 Metadata changes happen under the lock; page bytes are copied outside it, while the pages
 are FILLING (invisible) or claimed (pinned), so a half-written page is never visible. The tier
@@ -24,13 +25,13 @@ from ..config import Config
 from ..drivers.shm import Region, host_id, region_name
 from ..proto.announce import Announce
 from ..proto.claims import Busy, Claim, ClaimError, ClaimTable, Fill
-from ..proto.events import AllBlocksCleared, Event
+from ..proto.events import Event
 from ..proto.keys import StorageKey, storage_keys
 from ..proto.page import Page
-from ..proto.pool import PagePool, PageSizeError, PoolBusy, PoolError, coalesce_stored
+from ..proto.pool import PagePool, PageSizeError, PoolBusy, PoolError
 from ..proto import messages as m
-from ..proto.relay import RelayStep
 from ..proto.source import ClaimSource, Released
+from .events import EventStream
 from .layout import plan_layout, round_up
 from .lower import DramSide, LowerTier, NoLowerTier
 from .statistics import RunnerStatistics, gather_statistics
@@ -85,14 +86,11 @@ class Runner:
                                  max_claims_per_owner=cfg.runner.max_claims_per_peer)
         self.source = ClaimSource(self.claims, default_lease_s=cfg.runner.lease_seconds)  # peers' claims
         self.lock = threading.RLock()
-        self._publish = publish or (lambda events: 0)
-        # Told our own events before they go out; what it returns follows them in the same batch
-        # (the engine relay shows engine blocks it held back until we stored them).
-        self.follower: Callable[[Sequence[Event]], Sequence[Event]] | None = None
         self.hits = 0
         self.misses = 0
         self.unheld: Counter[str] = Counter()  # pages peers claimed that we do not hold, by cause
-        self._lower: LowerTier = lower(self) if lower is not None else NoLowerTier()  # last: it uses the lock
+        self._lower: LowerTier = lower(self) if lower is not None else NoLowerTier()  # it uses the lock
+        self.events = EventStream(self.pools, self._lower, publish or (lambda events: 0), self.lock)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -124,10 +122,7 @@ class Runner:
 
     def flush_events(self) -> None:
         """Publish what changed (under the lock)."""
-        nvme = self._lower.take_events()  # first: it marks DRAM copies NVMe let go as unkept
-        events = [e for pool in self.pools.values() for e in pool.take_events()] + nvme
-        if events:
-            self._publish(events + list(self.follower(events)) if self.follower is not None else events)
+        self.events.flush()
 
     def flush_events_locked(self) -> None:
         with self.lock:
@@ -372,7 +367,7 @@ class Runner:
             return gather_statistics(self.pools, self.claims.statistics(), self._lower, self.clock(),
                                      hits=self.hits, misses=self.misses, unheld=self.unheld)
 
-    # --- inventory ---------------------------------------------------------------------------
+    # --- removal -----------------------------------------------------------------------------
 
     def remove(self, pool: str, keys: Sequence[StorageKey]) -> int:
         """Drop pages from every tier. Returns pages removed from DRAM plus pages removed from NVMe."""
@@ -387,29 +382,6 @@ class Runner:
             keys = [p.key for p in self.pool(pool).ready_pages()]
             on_disk = self._lower.page_hexes(pool)
         return self.remove(pool, keys) + self._lower.remove(pool, on_disk)
-
-    def inventory(self) -> list[Event]:
-        """The whole announced inventory as BlockStored events (call under the lock)."""
-        events: list[Event] = []
-        for pool in self.pools.values():
-            events.extend(coalesce_stored(pool.ready_pages(), pool.block_size, pool.medium))
-        return events + self._lower.inventory()
-
-    def relay(self, step: RelayStep) -> None:
-        """Publish relayed engine events; a resync first clears and re-announces our own pages.
-
-        Our pending events go out first, so the stream keeps the order in which state changed."""
-        with self.lock:
-            self.flush_events()
-            if step.resync:
-                self._publish([AllBlocksCleared(), *self.inventory(), *step.events])
-            elif step.events:
-                self._publish(step.events)
-
-    def announce_start(self) -> None:
-        """First batch of an incarnation: clear what routers believe, then re-announce what we hold."""
-        with self.lock:
-            self._publish([AllBlocksCleared(), *self.inventory()])
 
     def expire(self) -> list[int]:
         """End the claims and fills whose lease ran out; returns the ids of those that ended."""
