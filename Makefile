@@ -22,7 +22,7 @@ SGLANG_SERVER_DEPS := pyzmq uvloop==0.23.0 python-multipart==0.0.34 prometheus-c
 # Hugging Face's datasets at load, whatever the dataset.
 SGLANG_CLIENT_DEPS := datasets==5.2.0
 
-.PHONY: demo test test-pure setup sglang-setup dynamo-setup native-deps system-deps dynamo-system-deps bench bench-deps fuzz clean
+.PHONY: demo test test-pure setup sglang-setup sglang-releases dynamo-setup native-deps system-deps dynamo-system-deps bench bench-deps fuzz clean
 
 # kvcr's C token hash (setup.py) includes xxhash's header; where it cannot be installed the
 # hashes stay in Python, so this step never fails the build.
@@ -54,6 +54,18 @@ $(VENV)/.sglang: $(VENV)/.installed | system-deps
 	$(PIP) install --no-deps $(SGLANG_NODEPS)
 	touch $@
 
+# The two releases before SGLANG (ai-dynamo 1.6.1 pins sglang 0.5.21): an environment each that holds
+# only the release's own wheel and reads everything else (torch, transformers, kvcr) from $(VENV),
+# added after its own site-packages by a .pth file. tests/sglang_live/test_releases.py runs them.
+SGLANG_OLDER := 0.5.21 0.5.22
+$(VENV)-sglang-%/.installed: $(VENV)/.sglang
+	$(PYTHON) -m venv $(VENV)-sglang-$*
+	base=$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	own=$$($(VENV)-sglang-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo "import site; site.addsitedir('$$base')" > $$own/zz-kvcr-base.pth
+	$(VENV)-sglang-$*/bin/pip --disable-pip-version-check -q install --no-deps 'sglang==$*'
+	touch $@
+
 # Dynamo's runtime pins its own pydantic, so its indexer, frontend and our bridge (kvcr.dynamo) live in
 # a separate environment. ai-dynamo 1.6.1 requires `aisimulate`, a placeholder no index serves: its
 # wheel goes in without dependencies and its other requirements are named here (what the frontend,
@@ -79,13 +91,14 @@ $(DYNAMO_VENV)/.installed: pyproject.toml setup.py | dynamo-system-deps native-d
 
 setup: $(VENV)/.installed
 sglang-setup: $(VENV)/.sglang
+sglang-releases: $(foreach v,$(SGLANG_OLDER),$(VENV)-sglang-$(v)/.installed)
 dynamo-setup: $(DYNAMO_VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/kvcr demo
 
 # SGLang builds its page-hash extension once (g++, ninja, OpenSSL headers); keep it with the venv.
-test: setup sglang-setup dynamo-setup
+test: setup sglang-setup sglang-releases dynamo-setup
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch-extensions KVCR_DYNAMO_PYTHON=$(abspath $(DYNAMO_VENV))/bin/python \
 		$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 

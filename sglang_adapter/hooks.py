@@ -1,4 +1,4 @@
-"""Four small hooks into SGLang 0.5.23 that stock SGLang lacks, installed by the launcher
+"""Four small hooks into SGLang (0.5.21 to 0.5.23, releases.py) that stock SGLang lacks, installed by the launcher
 (`python -m sglang_adapter.launch_server`) in every scheduler process:
 
 1. request hints: a request's `kv_hints` reach the storage calls made for it (`extra_info`);
@@ -21,28 +21,15 @@ import os
 import threading
 from array import array
 from collections import OrderedDict
-from importlib import metadata
 
 from .pagemeta import HintedRequest, RequestNamespace
+from .releases import check, installed
 
-SUPPORTED_SGLANG = ("0.5.23",)
 MAX_TRACKED_REQUESTS = 10_000
 
 
-class UnsupportedSGLang(RuntimeError):
-    pass
-
-
 def check_version() -> str:
-    try:
-        version = metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        raise UnsupportedSGLang("sglang is not installed") from None
-    if version not in SUPPORTED_SGLANG:
-        raise UnsupportedSGLang(f"kvcr's SGLang hooks are written for sglang {', '.join(SUPPORTED_SGLANG)}; this is "
-                                f"{version}. Use `--hicache-storage-backend dynamic` with kvcr's extra-config "
-                                "(no hooks: posted hints only, pages not announced) or a supported release")
-    return version
+    return installed().version
 
 
 class RequestHints:
@@ -265,13 +252,23 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    check_version()
+    release = installed()
     from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+    check(release, HiCacheStorage, {"Scheduler._prefetch_kvcache": Scheduler._prefetch_kvcache,
+                    "UnifiedTreeCore.build_storage_backup_spec": UnifiedTreeCore.build_storage_backup_spec,
+                    "UnifiedTreeCore.prefetch_anchor_info": UnifiedTreeCore.prefetch_anchor_info,
+                    "HiCacheController._storage_hit_query": HiCacheController._storage_hit_query,
+                    "HybridCacheController._storage_hit_query": HybridCacheController._storage_hit_query,
+                    "HiCacheController._page_backup": HiCacheController._page_backup,
+                    "HiCacheController._page_set_zero_copy": HiCacheController._page_set_zero_copy,
+                    "HiCacheController.terminate_prefetch": HiCacheController.terminate_prefetch,
+                    "UnifiedRadixCache.revoke_pending_prefetch": UnifiedRadixCache.revoke_pending_prefetch})
     Scheduler._prefetch_kvcache = _touch_engine_hits(_record_request_hints(Scheduler._prefetch_kvcache))
     for core in (UnifiedTreeCore, *_rust_tree_core()):  # engines run the Rust one where it loads
         core.build_storage_backup_spec = _record_backup_namespace(core.build_storage_backup_spec)

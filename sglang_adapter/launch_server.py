@@ -26,7 +26,8 @@ from kvcr.config import ConfigError, check_hint_sources, load_config
 from kvcr.drivers.shm import sweep_stale
 
 from .config import KEY_TYPES, CONTROLLER_KEYS, AdapterConfig, AdapterConfigError, parse_adapter_config
-from .hooks import UnsupportedSGLang, check_version
+from .hooks import check_version
+from .releases import UnsupportedSGLang
 
 BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"

@@ -30,7 +30,7 @@ from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from kvcr.proto.events import BlockStored  # noqa: E402
 from kvcr.proto.hints import build_envelope  # noqa: E402
 from kvcr.proto.keys import U64_MASK, hash_str_to_int64, page_hashes  # noqa: E402
-from sglang_adapter import hooks  # noqa: E402
+from sglang_adapter import hooks, releases  # noqa: E402
 from sglang_adapter.launch_server import DYNAMIC, TIMEOUTS, LaunchError, main, rewrite_args  # noqa: E402
 from tests.helpers import wait_until  # noqa: E402
 
@@ -176,11 +176,41 @@ def test_a_bad_kvcr_key_is_refused_before_sglang_starts(capsys):
     assert "is not JSON" in capsys.readouterr().err
 
 
-def test_another_sglang_release_is_refused_by_name(monkeypatch):
-    # A fake version: another SGLang release cannot be installed beside the real one here.
-    monkeypatch.setattr(hooks.metadata, "version", lambda name: "0.5.24")
-    with pytest.raises(hooks.UnsupportedSGLang, match="written for sglang 0.5.23; this is 0.5.24"):
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.24"])
+def test_a_release_outside_the_supported_range_is_refused_naming_the_range(monkeypatch, version):
+    # A fake version: the releases the table lists are each run live (tests/sglang_live/test_releases.py).
+    monkeypatch.setattr(releases.metadata, "version", lambda name: version)
+    with pytest.raises(releases.UnsupportedSGLang, match=f"written for sglang 0.5.21 to 0.5.23 .*; this is {version}"):
         hooks.check_version()
+
+
+def test_a_hooked_function_whose_parameters_changed_under_a_listed_version_is_refused_by_name():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    def terminate_prefetch(self, operation, reason):
+        pass
+    row = releases.RELEASES["0.5.23"]
+    with pytest.raises(releases.UnsupportedSGLang, match=r"HiCacheController.terminate_prefetch\('operation', 'reason'\)"):
+        releases.check(row, HiCacheStorage, {"HiCacheController.terminate_prefetch": terminate_prefetch})
+
+
+def test_a_storage_base_class_unlike_its_releases_row_is_refused():
+    class Older:  # no on_host_pools_registered, as before 0.5.23
+        pass
+    with pytest.raises(releases.UnsupportedSGLang, match="on_host_pools_registered is missing"):
+        releases.check(releases.RELEASES["0.5.23"], Older, {})
+    releases.check(releases.RELEASES["0.5.21"], Older, {})
+
+
+def test_the_installed_release_matches_its_row():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    row = releases.installed()
+    releases.check(row, HiCacheStorage, {"HiCacheController._storage_hit_query": HiCacheController._storage_hit_query,
+                         "HybridCacheController._storage_hit_query": HybridCacheController._storage_hit_query,
+                         "HiCacheController.terminate_prefetch": HiCacheController.terminate_prefetch})
 
 
 def test_without_any_hint_a_backend_finds_the_peer_that_announced_the_pages(backends):

@@ -68,8 +68,10 @@ class LiveServer:
 
     def __init__(self, run_dir: Path, name: str, model: Path, *, runner: dict | None = None,
                  extra_config: dict | None = None, args: list[str] | None = None, env: dict | None = None,
-                 backend: str = "kvcr", peers_dir: str | None = "") -> None:
+                 backend: str = "kvcr", peers_dir: str | None = "", python: str = sys.executable) -> None:
+        """`python`: the interpreter the engine runs under (another SGLang release's environment)."""
         self.name, self.run_dir, self.model = name, run_dir, model
+        self.python = python
         self.port = free_port()
         # SGLang would draw its torch.dist port at random, unchecked against the other engines a test
         # starts at once (one draw collided in a full run): this process hands it out, once.
@@ -99,7 +101,7 @@ class LiveServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang_adapter.launch_server", "--model-path", str(self.model),
+        return [self.python, "-m", "sglang_adapter.launch_server", "--model-path", str(self.model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(self.nccl_port),
                 *(GPU_FLAGS if ON_GPU else CPU_FLAGS),
                 "--hicache-storage-backend", self.backend,

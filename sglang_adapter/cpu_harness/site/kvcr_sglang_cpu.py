@@ -1,4 +1,5 @@
-"""The CPU harness's patches to SGLang 0.5.23, applied as post-import hooks (development only: sglang_adapter.cpu_harness).
+"""The CPU harness's patches to SGLang (0.5.21 to 0.5.23), applied as post-import hooks (development
+only: sglang_adapter.cpu_harness).
 
 Each replaces code that assumes CUDA and nothing else:
 1. `HostKVCache.__init__`: no pinned host memory (cudaHostRegister needs CUDA);
@@ -10,6 +11,7 @@ Each replaces code that assumes CUDA and nothing else:
 5. MLA models on `torch_native` attention take the absorbed MLA path for every forward: the
    MHA prefill path SGLang picks otherwise is written for CUDA kernels that read K and V from the
    batch, while torch_native reads them from the (latent) cache.
+6. 0.5.21's paged token allocator, which launches Triton kernels only: the same allocation in torch.
 The storage backend, the cache controller and the scheduler run unpatched.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 
 
@@ -36,12 +39,17 @@ def _token_view(host, buf, layer: int, idx):
 
 
 def _kv_buffers(host, layer: int) -> list:
-    """(host buffer, device buffer) pairs of one layer: K and V."""
+    """(host buffer, device buffer) pairs of one layer: K and V. Before 0.5.22 the host pool keeps
+    no table of device buffers: they are its device pool's own."""
+    if not hasattr(host, "device_k_buffers"):
+        return [(host.k_buffer, host.device_pool.k_buffer[layer]), (host.v_buffer, host.device_pool.v_buffer[layer])]
     return [(host.k_buffer, host.device_k_buffers[layer]), (host.v_buffer, host.device_v_buffers[layer])]
 
 
 def _latent_buffers(host, layer: int) -> list:
     """MLA's one latent buffer of a layer."""
+    if not hasattr(host, "device_kv_buffers"):
+        return [(host.kv_buffer, host.device_pool.kv_buffer[layer])]
     return [(host.kv_buffer, host.device_kv_buffers[layer])]
 
 
@@ -69,11 +77,13 @@ def _load_to_device_per_layer(self, device_pool, host_indices, device_indices, l
 
 def _patch_base(module) -> None:
     original = module.HostKVCache.__init__
+    signature = inspect.signature(original)  # pin_memory is positional before 0.5.22, keyword-only since
 
     @functools.wraps(original)
     def init(self, *args, **kwargs):
-        kwargs["pin_memory"] = False
-        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["pin_memory"] = False
+        original(*bound.args, **bound.kwargs)
     module.HostKVCache.__init__ = init
 
 
@@ -87,6 +97,39 @@ def _patch_mla(module) -> None:
     module.MLATokenToKVPoolHost.harness_buffers = _latent_buffers
     module.MLATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
     module.MLATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
+
+
+class _OnCpu:
+    """Stands in for a Triton kernel launched as `kernel[grid](*args)`: the same work in torch."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _alloc_decode_on_cpu(seq_lens, last_loc, free_pages, out_indices, _bs_pow2, page_size) -> None:
+    """One slot per request: the next in its last page, or the first of a fresh page (taken from
+    `free_pages` in request order) when its new token starts one."""
+    import torch  # loaded by then: the allocator imported it
+
+    starts = (seq_lens - 1) % page_size == 0
+    if not bool(starts.any()) or free_pages.numel() == 0:
+        out_indices.copy_(last_loc + 1)
+        return
+    rank = (starts.long().cumsum(0) - 1).clamp(min=0, max=free_pages.numel() - 1)
+    out_indices.copy_(torch.where(starts, free_pages[rank] * page_size, last_loc + 1))
+
+
+def _patch_paged_allocator(module) -> None:
+    if hasattr(module, "alloc_decode_naive"):  # 0.5.22 on: the allocator has torch paths of its own
+        return
+    extend = module.alloc_extend_naive
+    module.alloc_extend_kernel = _OnCpu(lambda prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_pow2,
+                                        page_size: extend(prefix_lens, seq_lens, last_loc, free_pages, out_indices,
+                                                          page_size, out_indices.device))
+    module.alloc_decode_kernel = _OnCpu(_alloc_decode_on_cpu)
 
 
 def _patch_mla_dispatch(module) -> None:
@@ -112,6 +155,7 @@ PATCHES = {
     "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
     "sglang.srt.mem_cache.pool_host.mla": _patch_mla,
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_dispatch,
+    "sglang.srt.mem_cache.allocator.paged": _patch_paged_allocator,
 }
 
 
