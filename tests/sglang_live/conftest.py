@@ -116,14 +116,37 @@ def pulls_again(source: LiveServer, puller: LiveServer, text: str) -> None:
                message=f"{source.name} holds no claim")
 
 
+def revoked_claim_comes_back(source: LiveServer, puller: LiveServer, seed: int) -> None:
+    """`source` holds 10 pages of the puller's prompt: the puller's hit query claims them, SGLang
+    revokes a hit under its 256-token prefetch_threshold, and the revoke hook gives the claim back
+    at once (the puller asks long leases); the puller answers as the source would."""
+    from kvcr.proto.hints import build_envelope
+    from sglang_adapter.cpu_harness.model import prompt_text
+    from tests.helpers import wait_until
+
+    def source_metric(name: str) -> float:
+        return metric(source.runner_get("/metrics"), name)
+
+    head = prompt_text(seed, 165)
+    assert 160 <= serve(source, head)["meta_info"]["prompt_tokens"] < 176  # 10 full pages
+    hits = source_metric("kvcr_hits_total")
+    text = head + " " + prompt_text(seed + 1, 250)
+    got = generate(puller, text, kv_hints=build_envelope(source.endpoints["control"], source.stored_hashes()))
+    assert got["meta_info"]["cached_tokens"] == 0
+    assert source_metric("kvcr_hits_total") >= hits + 10  # the claim was granted
+    wait_until(lambda: source_metric("kvcr_claims_held") == 0, timeout_s=10, message="the revoked claim back")
+    assert logprobs(got) == logprobs(generate(source, text))
+
+
 @pytest.fixture
 def live():
-    """The helpers live tests share (generate, serve, logprobs, flush, scheduler, pulls_again)."""
+    """The helpers live tests share (generate, serve, logprobs, flush, scheduler, pulls_again,
+    revoked_claim_comes_back)."""
     class Live:
         pass
     h = Live()
     h.generate, h.serve, h.logprobs, h.flush = generate, serve, logprobs, flush
-    h.scheduler, h.pulls_again = scheduler, pulls_again
+    h.scheduler, h.pulls_again, h.revoked_claim_comes_back = scheduler, pulls_again, revoked_claim_comes_back
     return h
 
 
