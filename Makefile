@@ -138,4 +138,4 @@ fuzz: setup
 	$(VENV)/bin/python -m tests.fuzz.campaign --seconds $(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) .venv-kvcr-ref .venv-mooncake build *.egg-info
+	rm -rf $(VENV) $(foreach v,$(SGLANG_OLDER),$(VENV)-sglang-$(v)) $(DYNAMO_VENV) .venv-kvcr-ref .venv-mooncake build *.egg-info

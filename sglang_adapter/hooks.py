@@ -227,6 +227,20 @@ def _notify_prefetch_revoked(method):
     return wrapper
 
 
+def _signal_pools_registered(method):
+    """Before 0.5.23 nothing tells the backend that every host pool is registered (a hybrid model's
+    side pools come after its KV pool). The hooks install while the controller attaches the backend,
+    too late to wrap that call; the scheduler's event loop starts once all of it is done."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        controller = getattr(self.tree_cache, "cache_controller", None)  # a HiCache tree only
+        registered = getattr(getattr(controller, "storage_backend", None), "on_host_pools_registered", None)
+        if registered is not None:  # kvcr's backends
+            registered()
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
 _installed = False
 
 
@@ -261,6 +275,7 @@ def install() -> None:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     check(release, HiCacheStorage, {"Scheduler._prefetch_kvcache": Scheduler._prefetch_kvcache,
+                                    "Scheduler.run_event_loop": Scheduler.run_event_loop,
                     "UnifiedTreeCore.build_storage_backup_spec": UnifiedTreeCore.build_storage_backup_spec,
                     "UnifiedTreeCore.prefetch_anchor_info": UnifiedTreeCore.prefetch_anchor_info,
                     "HiCacheController._storage_hit_query": HiCacheController._storage_hit_query,
@@ -278,4 +293,6 @@ def install() -> None:
     HiCacheController._page_set_zero_copy = _add_backup_tokens(HiCacheController._page_set_zero_copy)
     HiCacheController.terminate_prefetch = _notify_prefetch_ended(HiCacheController.terminate_prefetch)
     UnifiedRadixCache.revoke_pending_prefetch = _notify_prefetch_revoked(UnifiedRadixCache.revoke_pending_prefetch)
+    if not release.signals_pools_registered:
+        Scheduler.run_event_loop = _signal_pools_registered(Scheduler.run_event_loop)
     _installed = True

@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 # function -> its parameters after `self`, in every supported release unless the release's row says
 HOOKED: Mapping[str, tuple[str, ...]] = {
     "Scheduler._prefetch_kvcache": ("req", "storage_hit_end"),
+    "Scheduler.run_event_loop": (),
     "UnifiedTreeCore.build_storage_backup_spec": ("node_id", "pass_prefix_keys"),
     "UnifiedTreeCore.prefetch_anchor_info": ("node_id",),
     "HiCacheController._storage_hit_query": ("operation",),
@@ -33,8 +34,8 @@ HOOKED: Mapping[str, tuple[str, ...]] = {
 class Release:
     version: str
     # The cache controller tells the backend once every host pool is registered
-    # (`HiCacheStorage.on_host_pools_registered`); before 0.5.23 KVCRStorage starts its runner as
-    # its one host pool registers (a hybrid model's, at its first request).
+    # (`HiCacheStorage.on_host_pools_registered`); before 0.5.23 the hooks do, as the scheduler's
+    # event loop starts.
     signals_pools_registered: bool
     differs: Mapping[str, tuple[str, ...]]  # hooked functions whose parameters differ from HOOKED
 

@@ -38,15 +38,12 @@ from .layout import KeyLayout, LayoutError
 from .runner_setup import POOL, key_layout, runner_config
 from .pagemeta import AnnounceChain, plain_key_events, restorable
 from .peering import Peering
-from .releases import signals_pools_registered
 from .transfer_stats import TransferStats
 from .hint_source import request_hint_source, request_hints
 
 log = logging.getLogger(__name__)
 
 hooks.install_if_launched()
-# SGLang 0.5.23 tells a backend when every host pool is registered; before it, see register_mem_pool_host.
-POOLS_REGISTERED_SIGNAL = signals_pools_registered(HiCacheStorage)
 
 
 def _pool_name(name) -> str:
@@ -88,9 +85,6 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self.layouts[POOL] = key_layout(mem_pool_host, self.layouts, self.storage_page_size)
         except LayoutError:  # a hybrid model's logical anchor has no pages: its KV pool comes via v2
             log.info("kvcr: the anchor host pool has no page buffers; waiting for the v2 pools")
-            return
-        if not POOLS_REGISTERED_SIGNAL:  # before 0.5.23: a dense model's one pool is all there is
-            self._start()
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -99,6 +93,8 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self.layouts[name] = key_layout(host_pool, self.layouts, self.storage_page_size)
 
     def on_host_pools_registered(self) -> None:
+        """Every host pool is registered: SGLang 0.5.23 says so, the hooks do before it (without
+        them the runner starts at the first storage call)."""
         self._start()
 
     def _start(self) -> Service:
@@ -314,3 +310,4 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                 self.claims.close()  # kept: its counts stay readable
             self.service.stop()
             self.service = None
+            self.host = None

@@ -124,7 +124,10 @@ class DiskTier:
     # --- manifest ------------------------------------------------------------------------------
 
     def read_manifest(self) -> ManifestRecords:
-        records, bad = self.manifest.read()
+        read = self.manifest.read()
+        if read is None:
+            return {}
+        records, bad = read
         self.errors["manifest_record"] += bad
         return records
 

@@ -93,12 +93,12 @@ class ManifestFile:
             finally:
                 os.close(fd)
 
-    def read(self) -> tuple[ManifestRecords, int]:
-        """The live records, and how many were bad (see parse_manifest)."""
+    def read(self) -> tuple[ManifestRecords, int] | None:
+        """The live records, and how many were bad (see parse_manifest); None: no manifest yet."""
         try:
             return parse_manifest(self.path.read_bytes())
         except FileNotFoundError:
-            return {}, 0
+            return None
 
     def replace(self, records: Iterable[list]) -> None:
         """Atomically replace the whole manifest (the caller holds `locked()`)."""

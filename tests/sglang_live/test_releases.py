@@ -52,9 +52,20 @@ def runner_metric(server: LiveServer, name: str) -> float:
     return metric(server.runner_get("/metrics"), name)
 
 
-def test_the_engine_runs_the_release_it_was_started_for(pair):
-    version, a, _ = pair
+def test_the_engine_runs_the_release_it_was_started_for_and_its_runner_is_up_before_any_request(pair):
+    version, a, b = pair
     assert a.get("/server_info")["version"] == version
+    # Before 0.5.23 the hooks say the host pools are registered (SGLang does not): nothing waits for a request.
+    for server in (a, b):
+        info = wait_until(lambda: _runner_info(server), timeout_s=10, message=f"{server.name}'s runner up")
+        assert info["name"] == server.name
+
+
+def _runner_info(server: LiveServer) -> dict | None:
+    try:
+        return server.runner_get("/info", timeout_s=2)
+    except OSError:  # not listening yet
+        return None
 
 
 def test_a_backed_up_prompt_is_a_storage_hit_after_a_flush(pair, live):
