@@ -117,10 +117,6 @@ class PagePool:
         key = self._by_event_hash.get(event_hash)
         return key if key is not None and self.get(key) is not None else None
 
-    def lru_keys(self, n: int) -> list[str]:
-        """The `n` least recently used unclaimed READY keys (eviction candidates), oldest first."""
-        return list(islice(self._lru, n))
-
     def num_used(self) -> int:
         return self._slots.num_used
 

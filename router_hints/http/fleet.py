@@ -162,7 +162,7 @@ class Fleet:
                 seen = None
             if seen is not None:
                 for key, entry in seen.items():
-                    if key not in joined and not any(e.name == entry.name for e in self.entries.values()):
+                    if key not in joined and self.by_name(entry.name) is None:
                         joined[key] = entry.name
                         asyncio.create_task(self._join(entry, where))
                 for key in [k for k in joined if k not in seen]:

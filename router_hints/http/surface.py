@@ -134,7 +134,7 @@ class Surface:
             entry = parse_worker(await read_body(request))
         except (RequestError, RouterConfigError) as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        if any(e.name == entry.name for e in self.fleet.entries.values()):
+        if self.fleet.by_name(entry.name) is not None:
             return web.json_response({"error": {"message": f"worker {entry.name!r} is already routed to"}},
                                      status=409)
         try:
@@ -148,7 +148,7 @@ class Surface:
         if refusal:
             return web.json_response({"error": {"message": f"/admin/workers: {refusal}"}}, status=403)
         name = request.match_info["name"]
-        if not any(e.name == name for e in self.fleet.entries.values()):
+        if self.fleet.by_name(name) is None:
             return web.json_response({"error": {"message": f"no worker named {name!r}"}}, status=404)
         self.fleet.leave(name)
         return web.json_response({"removed": name})

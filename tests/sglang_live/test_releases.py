@@ -57,7 +57,7 @@ def test_the_engine_runs_the_release_it_was_started_for_and_its_runner_is_up_bef
     assert a.get("/server_info")["version"] == version
     # Before 0.5.23 the hooks say the host pools are registered (SGLang does not): nothing waits for a request.
     for server in (a, b):
-        info = wait_until(lambda: _runner_info(server), timeout_s=10, message=f"{server.name}'s runner up")
+        info = wait_until(lambda: _runner_info(server), timeout_s=30, message=f"{server.name}'s runner up")
         assert info["name"] == server.name
 
 
