@@ -32,10 +32,13 @@ def parse_set(items: list[str]) -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
     from .drivers.shm import RegionError
+    from .ranks import for_rank
     from .service import Service
 
     try:
         cfg = load_config(args.config, parse_set(args.set))
+        if cfg.runner.dp_size > 1:  # one command for every rank: the ports given are the group's base
+            cfg = for_rank(cfg, cfg.runner.dp_rank, cfg.runner.dp_size)
         service = Service(cfg).start()
     except (ConfigError, RegionError) as exc:
         print(f"kvcr serve: {exc}", file=sys.stderr)

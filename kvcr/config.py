@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from .curve_keys import DeploymentKeys
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
 class ConfigError(ValueError):
     pass
 
@@ -172,6 +175,9 @@ class NvmeConfig:
 class RunnerConfig:
     name: str = "kvcr"
     dp_rank: int = 0
+    # The engine's DP ranks when > 1: the configured ports are the group's base, each rank's runner
+    # binds them + dp_rank (kvcr/ranks.py). 1: a runner alone, whatever its dp_rank.
+    dp_size: int = 1
     block_size: int = 16
     state_dir: str = ""
     lease_seconds: float = 10.0
@@ -199,6 +205,9 @@ class RunnerConfig:
     control_endpoint: str = "tcp://127.0.0.1:0"
     http_host: str = "127.0.0.1"
     http_port: int = 0
+    # The host published for an endpoint bound to a wildcard (0.0.0.0, *, ::); "": this host's
+    # address on its default route.
+    advertise_host: str = ""
     http_token: str = ""           # /info needs `Authorization: Bearer <token>` (required off loopback)
     keys_dir: str = ""             # `kvcr keys init DIR`: CURVE keypair and token from files (docs/security.md)
     # A control socket or /info reachable from other hosts must authenticate (CURVE, a token);
@@ -357,6 +366,12 @@ def _validate(cfg: Config) -> None:
     d, r, e = cfg.dram, cfg.runner, cfg.events
     _require(r.block_size >= 1, f"runner.block_size = {r.block_size} must be >= 1")
     _require(r.dp_rank >= 0, f"runner.dp_rank = {r.dp_rank} must be >= 0")
+    _require(r.dp_size >= 1 and (r.dp_size == 1 or r.dp_rank < r.dp_size),
+             f"runner.dp_size = {r.dp_size} must be >= 1, and above runner.dp_rank = {r.dp_rank} when > 1")
+    _require(not r.advertise_host or r.advertise_host not in WILDCARD_HOSTS and bool(
+             re.fullmatch(r"[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f]*:[0-9A-Fa-f]*:[0-9A-Fa-f:.]*\]?", r.advertise_host)),
+             f"runner.advertise_host = {r.advertise_host!r} must be a host name or address others reach (no "
+             "scheme, port or wildcard)")
     _require(r.lease_seconds > 0, f"runner.lease_seconds = {r.lease_seconds} must be > 0")
     _require(not (r.keys_dir and r.curve_public_key), "set runner.keys_dir or runner.curve_public_key, not both")
     _require(bool(r.curve_public_key) == bool(r.curve_secret_key),

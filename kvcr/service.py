@@ -22,6 +22,7 @@ from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from .peer_pulls import PeerPulls
+from .ranks import advertised, default_route_address
 from .runner import open_store
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Service:
         self.http = HttpServer(cfg.runner.http_host, cfg.runner.http_port, registry=self.metrics,
                                info=self.public_info, health=self.health, token=cfg.http_token())
         self.stopped = threading.Event()
+        self._advertise_host: str | None = None  # looked up once, when a wildcard bind is first published
         self._housekeeper = threading.Thread(target=self._housekeeping, name="kvcr-housekeeping", daemon=True)
 
     def _puller(self, plane: UcxPlane) -> Puller:
@@ -125,18 +127,34 @@ class Service:
         return [p for p in problems if p]
 
     def info(self) -> dict:
+        r = self.cfg.runner
         return {"version": __version__, "protocol": [PROTOCOL_MAJOR, PROTOCOL_MINOR],
                 "capabilities": list(CAPABILITIES), "incarnation": self.runner.incarnation,
-                "name": self.cfg.runner.name, "dp_rank": self.cfg.runner.dp_rank,
-                "block_size": self.cfg.runner.block_size, "event_format": self.cfg.events.event_format,
+                "name": r.name, "dp_rank": r.dp_rank, "dp_size": r.dp_size, "dp_ranks": self._rank_urls(),
+                "block_size": r.block_size, "event_format": self.cfg.events.event_format,
                 "heartbeat_s": self.cfg.events.heartbeat_s, "events_curve": self.cfg.events_curve,
-                "endpoints": {"events": self.publisher.bound_endpoint,
-                              "replay": self.publisher.bound_replay_endpoint,
-                              "control": self.control.bound_endpoint, "http": self.http.url,
-                              "local_control": self.control.local_path},
+                "endpoints": {"events": self._advertised(self.publisher.bound_endpoint),
+                              "replay": self._advertised(self.publisher.bound_replay_endpoint),
+                              "control": self._advertised(self.control.bound_endpoint),
+                              "http": self._advertised(self.http.url), "local_control": self.control.local_path},
                 "relays_engine": self.relay is not None,
                 "ucx": self._ucx_info(),
                 "topic": self.cfg.events.topic, **self.runner.info()}
+
+    def _advertised(self, endpoint: str) -> str:
+        if self._advertise_host is None:
+            self._advertise_host = self.cfg.runner.advertise_host or default_route_address()
+        return advertised(endpoint, self._advertise_host)
+
+    def _rank_urls(self) -> dict[str, str]:
+        """Every DP rank's /info, where the ranks' HTTP ports are fixed (base + rank): one rank's
+        info finds the others. Ephemeral ports leave it empty."""
+        r = self.cfg.runner
+        if r.dp_size == 1 or r.http_port == 0:
+            return {}
+        own = self._advertised(self.http.url)
+        base, port = own.rsplit(":", 1)
+        return {str(k): f"{base}:{int(port) - r.dp_rank + k}" for k in range(r.dp_size)}
 
     def public_info(self) -> dict:
         """info() without what addresses our region (UCX worker address, region base, rkeys): for

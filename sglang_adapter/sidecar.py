@@ -24,9 +24,11 @@ from kvcr.drivers.claim_holder import ClaimHolder
 from kvcr.drivers.puller import Puller
 from kvcr.proto import messages as m
 from kvcr.proto.keys import Namespace
+from kvcr.ranks import rank_endpoint
 
 from . import hooks
 from .config import AdapterConfigError, parse_adapter_config
+from .dp import dp_placement
 from .lookup import ConfirmedLookup, LookupFailed
 from .layout import KeyLayout, PageLayout, gather, scatter
 from .pagemeta import AnnounceChain, HintedRequest
@@ -49,6 +51,9 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
                              "> 1 is not supported (a sidecar page holds the TP shards of one CP/PP rank)")
         self.storage_config = storage_config
         self.interface_v1 = bool((storage_config.extra_config or {}).get("interface_v1"))
+        # One sidecar per DP rank, at the extra-config's ports plus the rank (as the in-process runners)
+        self.placement = dp_placement()
+        self.endpoint = rank_endpoint("sidecar", self.cfg.sidecar, self.placement.rank, self.placement.size)
         mla = storage_config.is_mla_model
         self.shard, self.shards = (0, 1) if mla else (storage_config.tp_rank, storage_config.tp_size)
         # SGLang calls from several threads; a ZMQ socket serves one: each thread attaches its own.
@@ -64,7 +69,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         """This thread's attachment to the sidecar (its control socket and its pool, mapped)."""
         writer = getattr(self._local, "writer", None)  # thread-local: absent until this thread asks
         if writer is None:
-            writer = self._local.writer = AttachedWriter(ControlClient(self.cfg.sidecar,
+            writer = self._local.writer = AttachedWriter(ControlClient(self.endpoint,
                                                                        timeout_s=self.cfg.pull_timeout_s))
             with self._writers_lock:
                 self._writers.append(writer)
@@ -81,7 +86,11 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         sc, page = self.storage_config, self.layout.page
         pool = self.writer.pools.get(POOL)
         if pool is None:
-            raise ValueError(f"kvcr sidecar {self.cfg.sidecar} has no pool {POOL!r}")
+            raise ValueError(f"kvcr sidecar {self.endpoint} has no pool {POOL!r}")
+        if self.writer.info["dp_rank"] != self.placement.rank:
+            raise ValueError(f"kvcr sidecar {self.endpoint} serves DP rank {self.writer.info['dp_rank']}, this "
+                             f"scheduler is DP rank {self.placement.rank} of {self.placement.size}: start one sidecar "
+                             "per rank at the extra-config's port plus the rank, each with its runner.dp_rank")
         # flat (byte-copy) pages order the bytes otherwise: a sidecar holds one or the other
         ours = Namespace(model=sc.model_name or self.cfg.model or "default", tp_size=sc.tp_size, is_mla=sc.is_mla_model,
                          layout=page.layout if self.interface_v1 else f"flat-{page.layout}", dtype=page.dtype,
@@ -90,7 +99,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
                 if k == "components" else f"{k}: sidecar {pool['namespace'].get(k)!r}, this rank {v!r}"
                 for k, v in ours.fields().items() if pool["namespace"].get(k) != v]
         if diff:
-            raise ValueError(f"kvcr sidecar {self.cfg.sidecar} does not hold this engine's pages: " + "; ".join(diff))
+            raise ValueError(f"kvcr sidecar {self.endpoint} does not hold this engine's pages: " + "; ".join(diff))
 
     # --- lookups -----------------------------------------------------------------------------
 
@@ -98,7 +107,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         try:
             tiers = self.writer.client.request(m.Lookup(pool=POOL, keys=list(keys))).tiers
         except (ControlError, TimeoutError) as exc:
-            raise LookupFailed(f"sidecar {self.cfg.sidecar}: {exc}") from None
+            raise LookupFailed(f"sidecar {self.endpoint}: {exc}") from None
         return next((i for i, t in enumerate(tiers) if t == 0), len(keys))
 
     def _claim_holder(self) -> ClaimHolder | None:
@@ -112,7 +121,7 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         try:
             return local + self.writer.client.request(m.PullRequest(pool=POOL, keys=list(keys[local:]))).num_local
         except (ControlError, TimeoutError) as exc:
-            raise LookupFailed(f"sidecar {self.cfg.sidecar}: {exc}") from None
+            raise LookupFailed(f"sidecar {self.endpoint}: {exc}") from None
 
     def _confirm(self, keys: list[str], local: int, hinted: HintedRequest, owner: str | None) -> int:
         """Claim keys[local:] at the peer sidecar the request's hint names (this rank's own claim);

@@ -32,6 +32,7 @@ from kvcr.service import Service
 
 from . import hooks
 from .config import parse_adapter_config
+from .dp import dp_placement
 from .lookup import ConfirmedLookup
 from .host_pages import HostPages
 from .layout import KeyLayout, LayoutError
@@ -103,7 +104,7 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                 if not self.layouts:
                     raise RuntimeError("kvcr: no host pool with page buffers was registered")
                 service = Service(runner_config(self.storage_config, self.cfg, self.layouts,
-                                                interface_v1=self.interface_v1)).start()
+                                                interface_v1=self.interface_v1, placement=dp_placement())).start()
                 if service.claims is not None:  # claims we take outlive an uncollected prefetch
                     service.claims.ask_lease(self.cfg.claim_lease_s)
                     self.claims = service.claims

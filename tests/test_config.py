@@ -70,6 +70,10 @@ def test_side_pools_get_their_own_aligned_slots(tmp_path):
     ("dram = 5\n", "dram must be a table"),
     ("[dram]\npools = 3\n", "dram.pools = 3 must be a list"),
     ("[dram]\nlock_memory = \"yes\"\n", "dram.lock_memory = 'yes' must be true or false"),
+    ("[runner]\ndp_size = 0\n", "runner.dp_size = 0 must be >= 1"),
+    ("[runner]\ndp_size = 2\ndp_rank = 2\n", "above runner.dp_rank = 2"),
+    ("[runner]\nadvertise_host = \"0.0.0.0\"\n", "runner.advertise_host = '0.0.0.0' must be a host name"),
+    ("[runner]\nadvertise_host = \"http://h\"\n", "runner.advertise_host = 'http://h'"),
 ])
 def test_bad_config_is_refused_naming_the_key(tmp_path, text, problem):
     (tmp_path / "c.toml").write_text(text)

@@ -100,6 +100,14 @@ def test_the_tenant_salt_dynamo_routed_on_reaches_the_engine(routing, salt):
     assert generate_body(dynamo_request(routing=routing), default_max_tokens=16).get("cache_salt") == salt
 
 
+@pytest.mark.parametrize("routing, ranks, routed", [({"dp_rank": 1}, (0, 1), 1), ({}, (0, 1), None),
+                                                   ({"dp_rank": 1}, None, None)])
+def test_a_dp_engines_request_runs_on_the_rank_dynamo_routed_it_to(routing, ranks, routed):
+    """One bridge serves every DP rank of an engine; a one-rank engine is left to itself."""
+    body = generate_body(dynamo_request(routing=routing), default_max_tokens=16, ranks=ranks)
+    assert body.get("routed_dp_rank") == routed
+
+
 @pytest.mark.parametrize("request_, problem", [
     ([], "must be an object"),
     (dynamo_request(token_ids=[]), "token_ids"),
@@ -112,6 +120,13 @@ def test_the_tenant_salt_dynamo_routed_on_reaches_the_engine(routing, salt):
 def test_a_malformed_dynamo_request_is_refused_by_name(request_, problem):
     with pytest.raises(BridgeRequestError, match=problem):
         generate_body(request_, default_max_tokens=16)
+
+
+@pytest.mark.parametrize("dp_rank, problem", [(2, r"routing.dp_rank 2 is not one of this engine's DP ranks \[0, 1\]"),
+                                              (-1, "dp_rank must be a non-negative integer")])
+def test_a_dp_rank_the_engine_does_not_have_is_refused_by_name(dp_rank, problem):
+    with pytest.raises(BridgeRequestError, match=problem):
+        generate_body(dynamo_request(routing={"dp_rank": dp_rank}), default_max_tokens=16, ranks=(0, 1))
 
 
 def test_a_request_for_another_model_such_as_a_lora_is_refused():

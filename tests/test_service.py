@@ -284,3 +284,18 @@ def test_a_peer_one_minor_version_ahead_is_served_and_a_new_major_is_refused(run
     reply = msgpack.unpackb(sock.recv_multipart()[-1])
     assert reply["code"] == "version" and f"major version {m.PROTOCOL_MAJOR + 1}" in reply["message"]
     sock.close()
+
+
+def test_the_ranks_of_one_dp_config_bind_base_plus_rank_publish_the_advertised_host_and_list_each_other(
+        runner_factory):
+    from sglang_adapter.cpu_harness.server import free_port
+
+    control, http = free_port(2), free_port(2)
+    group = {"runner.dp_size": 2, "runner.control_endpoint": f"tcp://0.0.0.0:{control}", "runner.http_host": "0.0.0.0",
+             "runner.http_port": http, "runner.insecure": True, "runner.advertise_host": "127.0.0.1"}
+    infos = [runner_factory(f"dp{rank}", **group, **{"runner.dp_rank": rank}).start() for rank in (0, 1)]
+    # a wildcard bind is published as the advertised host, never as 0.0.0.0
+    assert [i["endpoints"]["control"] for i in infos] == [f"tcp://127.0.0.1:{control + r}" for r in (0, 1)]
+    assert [i["endpoints"]["http"] for i in infos] == [f"http://127.0.0.1:{http + r}" for r in (0, 1)]
+    assert infos[0]["dp_ranks"] == infos[1]["dp_ranks"] == {str(r): f"http://127.0.0.1:{http + r}" for r in (0, 1)}
+    assert fetch_info(infos[0]["dp_ranks"]["1"])["dp_rank"] == 1

@@ -315,3 +315,23 @@ def test_sglangs_storage_metrics_report_the_window_since_the_last_report_then_st
     assert 0 < first.prefetch_bandwidth[0] <= 8.0 and 0 < first.backup_bandwidth[0] <= 2.0  # GiB/s
     second = stats.report(page_bytes=2**30)
     assert (second.prefetch_pgs, second.backup_pgs, second.prefetch_bandwidth) == ([0], [0], [0])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_dp_rank_gets_the_extra_configs_ports_plus_its_rank_and_a_range_past_65535_stops_every_rank(rank):
+    from kvcr.config import ConfigError
+    from sglang_adapter.config import parse_adapter_config
+    from sglang_adapter.dp import DpPlacement
+    from sglang_adapter.runner_setup import POOL, key_layout, runner_config
+
+    layouts = {POOL: key_layout(mha_pool("page_first", page=PAGE), {}, None)}
+
+    def config(control: str):
+        sc = storage_config(runner={"dram.size": "4Mi", "runner.control_endpoint": control, "runner.http_port": 9000})
+        return runner_config(sc, parse_adapter_config(sc.extra_config), layouts, interface_v1=True,
+                             placement=DpPlacement(rank=rank, size=2))
+    cfg = config("tcp://127.0.0.1:5600")
+    assert (cfg.runner.dp_rank, cfg.runner.dp_size) == (rank, 2)
+    assert (cfg.runner.control_endpoint, cfg.runner.http_port) == (f"tcp://127.0.0.1:{5600 + rank}", 9000 + rank)
+    with pytest.raises(ConfigError, match="runner.control_endpoint = 'tcp://127.0.0.1:65535'"):
+        config("tcp://127.0.0.1:65535")

@@ -104,9 +104,11 @@ def fetch_runner_info(backend: str, runner: str | None) -> dict:
 class Forwarder:
     """Dynamo's `generate` handler: one streamed `/generate` on the engine per request."""
 
-    def __init__(self, backend: str, *, default_max_tokens: int, oracle: bool, model: str) -> None:
+    def __init__(self, backend: str, *, default_max_tokens: int, oracle: bool, model: str,
+                 ranks: tuple[int, ...] | None = None) -> None:
         self.url = backend.rstrip("/") + "/generate"
         self.model = model
+        self.ranks = ranks  # a DP engine's ranks: Dynamo's routing.dp_rank picks the one to run on
         self.default_max_tokens = default_max_tokens
         self.oracle = oracle
         self.session: aiohttp.ClientSession | None = None
@@ -119,7 +121,7 @@ class Forwarder:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300),
                                                  read_bufsize=2**22)
         body = generate_body(request, default_max_tokens=self.default_max_tokens, oracle=self.oracle,
-                             rid=context.id() if context is not None else None, model=self.model)
+                             rid=context.id() if context is not None else None, model=self.model, ranks=self.ranks)
         self.num_requests += 1
         if "kv_hints" in body:
             self.num_hints += 1
@@ -175,22 +177,35 @@ def dynamo_planes() -> tuple[str, str, str]:
             os.environ.get("DYN_EVENT_PLANE", "zmq"))
 
 
-def runtime_config(runner: RunnerView, args: argparse.Namespace):
-    """Dynamo's ModelRuntimeConfig for this worker: capacity, the runner's DP rank, the hint source."""
+def rank_views(info: dict, *, dp_rank: int | None) -> list[RunnerView]:
+    """The runner `info` describes and every other DP rank of its engine its info lists (one
+    bridge registers them all as one Dynamo worker), in rank order."""
+    first = runner_view(info, dp_rank=dp_rank)
+    others = [runner_view(fetch_info(url, token=client_http_token()), dp_rank=int(rank))
+              for rank, url in info.get("dp_ranks", {}).items() if int(rank) != first.dp_rank]
+    views = sorted([first, *others], key=lambda v: v.dp_rank)
+    if [v.dp_rank for v in views] != list(range(views[0].dp_rank, views[0].dp_rank + len(views))):
+        raise BridgeError(f"the engine's DP ranks {[v.dp_rank for v in views]} are not contiguous: Dynamo takes a "
+                          "start rank and a size")
+    return views
+
+
+def runtime_config(ranks: list[RunnerView], args: argparse.Namespace):
+    """Dynamo's ModelRuntimeConfig for this worker: capacity, its DP ranks, each rank's hint source."""
     from dynamo.llm import ModelRuntimeConfig
 
     rc = ModelRuntimeConfig()
-    rc.total_kv_blocks = max(1, runner.dram_capacity)
+    rc.total_kv_blocks = max(1, ranks[0].dram_capacity)  # each rank's runner holds this many
     rc.max_num_seqs = 8
     rc.max_num_batched_tokens = args.context_length
     rc.context_length = args.context_length
     rc.kv_event_publishing_enabled = True
     rc.enable_local_indexer = True  # Dynamo's recovery after a frontend restart asks this indexer
-    rc.data_parallel_start_rank = runner.dp_rank
-    rc.data_parallel_size = 1
-    for key, value in dynamo_advertisement({runner.dp_rank: runner.control}, args.worker_type).items():
+    rc.data_parallel_start_rank = ranks[0].dp_rank
+    rc.data_parallel_size = len(ranks)
+    for key, value in dynamo_advertisement({r.dp_rank: r.control for r in ranks}, args.worker_type).items():
         rc.set_engine_specific(key, json.dumps(value))
-    rc.set_engine_specific(KVCR_WORKER_KEY, json.dumps(kvcr_worker(runner, args)))
+    rc.set_engine_specific(KVCR_WORKER_KEY, json.dumps(kvcr_worker(ranks[0], args)))
     return rc
 
 
@@ -201,22 +216,23 @@ def kvcr_worker(runner: RunnerView, args: argparse.Namespace) -> dict:
     return {"name": runner.name, "url": args.backend}
 
 
-def write_ready(path: str, worker_id: int, runner: RunnerView, feed: FeedRelay) -> None:
+def write_ready(path: str, worker_id: int, ranks: list[RunnerView], feeds: list[FeedRelay]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"worker_id": worker_id, "dp_rank": runner.dp_rank, "events": feed.endpoint}, f)
+        json.dump({"worker_id": worker_id, "dp_rank": ranks[0].dp_rank, "events": feeds[0].endpoint,
+                   "dp_ranks": [r.dp_rank for r in ranks]}, f)
     os.replace(tmp, path)
 
 
-async def until_stopped(serving: asyncio.Future, feed: FeedRelay, stop: asyncio.Event) -> int:
+async def until_stopped(serving: asyncio.Future, feeds: list[FeedRelay], stop: asyncio.Event) -> int:
     """0 on SIGTERM/SIGINT; 1 when serving or the event feed died (so a supervisor sees it, and a
     kvcr worker stops: its runner's pages must not stay in Dynamo with no feed behind them)."""
     while not stop.is_set():
         if serving.done():
             log.error("Dynamo's endpoint stopped serving: %r", serving.exception())
             return 1
-        if not feed.alive():
-            log.error("the event feed to Dynamo died; stopping so Dynamo deregisters this worker")
+        if not all(feed.alive() for feed in feeds):
+            log.error("an event feed to Dynamo died; stopping so Dynamo deregisters this worker")
             return 1
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
@@ -231,36 +247,39 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop during start-up still deregisters
         loop.add_signal_handler(sig, stop.set)
-    runner = runner_view(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
-    feed = FeedRelay(events=runner.events, replay=runner.replay, control=runner.control,
-                     dp_rank=runner.dp_rank, dead_after_s=dead_after(runner, args.dead_after),
-                     curve=feed_keys(runner)).start()
+    ranks = rank_views(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
+    feeds = [FeedRelay(events=r.events, replay=r.replay, control=r.control, dp_rank=r.dp_rank,
+                       dead_after_s=dead_after(r, args.dead_after), curve=feed_keys(r)).start() for r in ranks]
     forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle,
-                          model=args.model_name)
-    rt = publisher = serving = None
+                          model=args.model_name, ranks=tuple(r.dp_rank for r in ranks) if len(ranks) > 1 else None)
+    rt = serving = None
+    publishers = []
     try:
         discovery, request_plane, event_plane = dynamo_planes()
         rt = DistributedRuntime(loop, discovery, request_plane, event_plane=event_plane)
         endpoint = rt.endpoint(f"{args.namespace}.{args.component}.generate")
-        rc = runtime_config(runner, args)
-        publisher = KvEventPublisher(endpoint, kv_block_size=runner.block_size, dp_rank=runner.dp_rank,
-                                     enable_local_indexer=True, zmq_endpoint=feed.endpoint, zmq_topic="")
+        rc = runtime_config(ranks, args)
+        publishers = [KvEventPublisher(endpoint, kv_block_size=r.block_size, dp_rank=r.dp_rank,
+                                       enable_local_indexer=True, zmq_endpoint=feed.endpoint, zmq_topic="")
+                      for r, feed in zip(ranks, feeds)]
         worker_type = {"aggregated": WorkerType.Aggregated, "prefill": WorkerType.Prefill,
                        "decode": WorkerType.Decode}[args.worker_type]
         await register_model(ModelInput.Tokens, ModelType.Completions | ModelType.Chat, endpoint, args.model_path,
-                             args.model_name, worker_type=worker_type, kv_cache_block_size=runner.block_size,
+                             args.model_name, worker_type=worker_type, kv_cache_block_size=ranks[0].block_size,
                              runtime_config=rc)
         worker_id = endpoint.connection_id()
-        log.info("kvcr Dynamo worker %s: %s.%s.generate, runner rank %d, hint source %s", worker_id,
-                 args.namespace, args.component, runner.dp_rank, runner.control)
+        for r in ranks:
+            log.info("kvcr Dynamo worker %s: %s.%s.generate, runner rank %d, hint source %s", worker_id,
+                     args.namespace, args.component, r.dp_rank, r.control)
         serving = asyncio.ensure_future(endpoint.serve_endpoint(forwarder.generate))
         if args.ready_file:
-            write_ready(args.ready_file, worker_id, runner, feed)
-        return await until_stopped(serving, feed, stop)
+            write_ready(args.ready_file, worker_id, ranks, feeds)
+        return await until_stopped(serving, feeds, stop)
     finally:
-        if publisher is not None:
+        for publisher in publishers:
             publisher.shutdown()
-        feed.stop()
+        for feed in feeds:
+            feed.stop()
         await forwarder.close()
         if rt is not None:
             rt.shutdown()

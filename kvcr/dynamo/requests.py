@@ -43,7 +43,7 @@ def _section(request: dict, key: str) -> dict:
 
 
 def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False, rid: str | None = None,
-                  model: str | None = None) -> dict:
+                  model: str | None = None, ranks: tuple[int, ...] | None = None) -> dict:
     """The engine's `/generate` body for one Dynamo request (streamed, greedy unless asked); `rid`
     is Dynamo's request id, which its response carries (`cmpl-<rid>`), so a client can find what
     serving it took (a kvcr worker's /kvcr/served/<rid>). `model`: the one model card the bridge
@@ -70,7 +70,13 @@ def generate_body(request: Any, *, default_max_tokens: int, oracle: bool = False
     if stop.get("stop_token_ids_hidden"):
         sampling["stop_token_ids"] = list(stop["stop_token_ids_hidden"])
     body: dict[str, Any] = {"input_ids": tokens, "sampling_params": sampling, "stream": True}
-    salt = _optional_str(_section(request, "routing"), "cache_salt")
+    routing = _section(request, "routing")
+    rank = _nonneg_int(routing, "dp_rank") if ranks is not None else None
+    if rank is not None:  # the rank whose pages Dynamo routed on: SGLang's DP controller runs it there
+        if rank not in ranks:
+            raise BridgeRequestError(f"routing.dp_rank {rank} is not one of this engine's DP ranks {list(ranks)}")
+        body["routed_dp_rank"] = rank
+    salt = _optional_str(routing, "cache_salt")
     if salt is not None:
         body["cache_salt"] = salt  # the tenant's namespace: Dynamo routed on it, the engine keys pages by it
     if request.get("kv_hint") is not None:

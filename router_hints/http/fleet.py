@@ -36,33 +36,56 @@ class Fleet:
         self.breakers = breakers
         self.metrics = metrics
         self.entries: dict[Worker, WorkerEntry] = {}
+        self.rank_info: dict[Worker, str | None] = {}  # a DP rank's /info found through another rank's
+        self.ranked: set[Worker] = set()  # ranks of a DP engine: requests to them name the rank
         self.session: aiohttp.ClientSession | None = None  # opened in the event loop (Router.open)
 
     def by_name(self, name: str) -> Worker | None:
         return next((w for w, e in self.entries.items() if e.name == name), None)
 
     async def discover(self, entry: WorkerEntry, timeout_s: float = 120.0) -> None:
-        """Find the worker's runner through info endpoints (retrying while it starts)."""
+        """Find the worker's runner through info endpoints (retrying while it starts), and every
+        DP rank's runner its info lists: each rank is a worker (name, rank) of its own."""
         deadline = time.monotonic() + timeout_s
+        info = await self._info_until(entry, None, deadline)
+        found = [(from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role), None)]
+        ranks = {int(rank): url for rank, url in info.get("dp_ranks", {}).items() if int(rank) != info["dp_rank"]}
+        if info.get("dp_size", 1) > 1 and not ranks:
+            log.warning("worker %s: DP rank %d of %d, and its runner's HTTP port is ephemeral: its other ranks are "
+                        "not found (fix runner.http_port, or list each rank's runner)", entry.name, info["dp_rank"],
+                        info["dp_size"])
+        for rank, url in sorted(ranks.items()):
+            rank_info = await self._info_until(entry, url, deadline)
+            found.append((from_runner_info(entry.name, rank_info, block_size=self.cfg.block_size, role=entry.role),
+                          url))
+        for publisher, url in found:
+            self.core.add(publisher)
+            worker = (publisher.worker_id, publisher.dp_rank)
+            self.entries[worker] = entry
+            self.rank_info[worker] = url
+            if len(found) > 1:
+                self.ranked.add(worker)
+            await self.resync(worker)
+            log.info("worker %s (DP rank %d): events %s, control %s", entry.name, publisher.dp_rank,
+                     publisher.events, publisher.control)
+
+    async def _info_until(self, entry: WorkerEntry, url: str | None, deadline: float) -> dict:
         while True:
             try:
-                info = await self._runner_info(entry)
-                publisher = from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
-                break
+                info = await self._runner_info(entry, url)
+                from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
+                return info
             except (OSError, TimeoutError, aiohttp.ClientError, KeyError) as exc:
                 if time.monotonic() > deadline:
-                    raise DiscoveryError(f"worker {entry.name}: no runner info within {timeout_s:.0f} s: {exc}") \
-                        from None
+                    raise DiscoveryError(f"worker {entry.name}: no runner info at {url or entry.runner or entry.url} "
+                                         f"in time: {exc}") from None
                 await asyncio.sleep(0.5)
-        self.core.add(publisher)
-        worker = (publisher.worker_id, publisher.dp_rank)
-        self.entries[worker] = entry
-        await self.resync(worker)
-        log.info("worker %s: events %s, control %s", entry.name, publisher.events, publisher.control)
 
-    async def _runner_info(self, entry: WorkerEntry) -> dict:
-        if entry.runner:
-            return await asyncio.to_thread(fetch_info, entry.runner, token=entry.runner_token or client_http_token())
+    async def _runner_info(self, entry: WorkerEntry, url: str | None = None) -> dict:
+        """The runner's info: at `url` (a DP rank's /info), the entry's runner, or its /server_info."""
+        if url or entry.runner:
+            return await asyncio.to_thread(fetch_info, url or entry.runner,
+                                           token=entry.runner_token or client_http_token())
         async with self.session.get(entry.url.rstrip("/") + "/server_info",
                                     timeout=aiohttp.ClientTimeout(total=DISCOVERY_TIMEOUT_S)) as resp:
             resp.raise_for_status()
@@ -129,7 +152,7 @@ class Fleet:
     async def _find_again(self, worker: Worker, entry: WorkerEntry) -> None:
         """A restarted worker's runner may publish elsewhere now: follow its new endpoints."""
         try:
-            info = await self._runner_info(entry)
+            info = await self._runner_info(entry, self.rank_info.get(worker))
             publisher = from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
         except (OSError, TimeoutError, aiohttp.ClientError, KeyError, DiscoveryError) as exc:
             log.info("worker %s answers but its runner does not (yet): %s", entry.name, exc)
@@ -201,6 +224,8 @@ class Fleet:
         self.core.remove(name)
         for worker in gone:
             del self.entries[worker]
+            self.rank_info.pop(worker, None)
+            self.ranked.discard(worker)
             self.breakers.forget(worker)
         log.info("worker %s left the routing", name)
 

@@ -188,6 +188,8 @@ class Router:
             hinted = False
             if decision.hint is not None:
                 body, hinted = await self._issue_hint(route, target, body, decision.hint)
+            if target in self.fleet.ranked:  # one URL serves every rank: SGLang's DP controller routes by this
+                body = {**body, "routed_dp_rank": target[1]}
             outcome = await self._relay(request, entry, route, body, booking, decision, hinted)
             served = not isinstance(outcome, Failed)
             return outcome
@@ -227,7 +229,8 @@ class Router:
                 first_byte_s = (time.monotonic() - sent if body.get("stream") is True and up.status == 200
                                 and chunk and b'"error"' not in chunk[:64] else None)
                 resp = web.StreamResponse(status=up.status, headers={
-                    "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name})
+                    "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name,
+                    **({"X-KVCR-DP-Rank": str(body["routed_dp_rank"])} if "routed_dp_rank" in body else {})})
                 try:
                     await resp.prepare(request)
                     while chunk:

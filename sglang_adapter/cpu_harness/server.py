@@ -32,19 +32,25 @@ _rng = random.Random()
 _given: set[int] = set()
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A free port; with `span`, the first of that many free in a row (a DP engine's ranks bind base + rank)."""
     for _ in range(200):
-        port = _rng.choice(PORTS)
-        if port in _given:
+        port = _rng.choice(PORTS[:len(PORTS) - span + 1])
+        ports = range(port, port + span)
+        if any(p in _given for p in ports) or not all(_bindable(p) for p in ports):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _given.add(port)
-            return port
-    raise RuntimeError(f"no free port in {PORTS}")
+        _given.update(ports)
+        return port
+    raise RuntimeError(f"no {span} free port(s) in a row in {PORTS}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # KVCR_LIVE_GPU=1 (bench/gpu_smoke.sh): the same engines on a GPU, stock SGLang, nothing patched.
@@ -77,10 +83,12 @@ class LiveServer:
         # starts at once (one draw collided in a full run): this process hands it out, once.
         self.nccl_port = free_port()
         self.log_path = run_dir / f"{name}.log"
-        # fixed ports, so a restarted engine's runner is the same peer to everyone
-        self.endpoints = {"control": f"tcp://127.0.0.1:{free_port()}", "events": f"tcp://127.0.0.1:{free_port()}",
-                          "replay": f"tcp://127.0.0.1:{free_port()}"}
-        self.runner_http = f"http://127.0.0.1:{free_port()}"
+        self.args = list(args or [])
+        self.dp_size = int(self.args[self.args.index("--dp-size") + 1]) if "--dp-size" in self.args else 1
+        # fixed ports, so a restarted engine's runner is the same peer to everyone (a DP engine's
+        # ranks at these + rank)
+        self.endpoints = {k: f"tcp://127.0.0.1:{free_port(self.dp_size)}" for k in ("control", "events", "replay")}
+        self.runner_http = f"http://127.0.0.1:{free_port(self.dp_size)}"
         runner = {"runner.name": name, "runner.state_dir": str(run_dir / f"{name}.state"), "dram.size": "16Mi",
                   "runner.control_endpoint": self.endpoints["control"], "events.endpoint": self.endpoints["events"],
                   "events.replay_endpoint": self.endpoints["replay"],
@@ -91,7 +99,6 @@ class LiveServer:
         own = {} if peers_dir is None else {"peers_dir": peers_dir}
         self.extra = {**({} if (extra_config or {}).get("sidecar") else {"runner": runner, **own}),
                       **(extra_config or {})}
-        self.args = list(args or [])
         self.env = dict(env or {})
         self.backend = backend  # "kvcr", or an SGLang backend to compare with ("file")
         self.proc: subprocess.Popen | None = None
@@ -100,9 +107,19 @@ class LiveServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def rank(self, rank: int) -> dict[str, str]:
+        """DP rank `rank`'s runner endpoints (control, events, replay, http): the base ports + rank."""
+        def shifted(endpoint: str) -> str:
+            base, port = endpoint.rsplit(":", 1)
+            return f"{base}:{int(port) + rank}"
+        return {k: shifted(v) for k, v in {**self.endpoints, "http": self.runner_http}.items()}
+
     def command(self) -> list[str]:
+        # Under plain DP SGLang gives every replica's TP group the --nccl-port: they would collide.
+        pure_dp = "--dp-size" in self.args and "--enable-dp-attention" not in self.args
+        nccl = [] if pure_dp else ["--nccl-port", str(self.nccl_port)]
         return [self.python, "-m", "sglang_adapter.launch_server", "--model-path", str(self.model),
-                "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(self.nccl_port),
+                "--host", "127.0.0.1", "--port", str(self.port), *nccl,
                 *(GPU_FLAGS if ON_GPU else CPU_FLAGS),
                 "--hicache-storage-backend", self.backend,
                 *(["--hicache-storage-backend-extra-config", json.dumps(self.extra)] if self.backend == "kvcr"

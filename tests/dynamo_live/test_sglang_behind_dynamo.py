@@ -159,3 +159,47 @@ def test_a_tenants_pages_behind_dynamo_serve_only_its_own_salt(sglang_pair):
     again = complete(fe, p + " then more", nvext={"cache_salt": "tenant-a"})
     assert int(fe.selections()[-1]["worker_id"]) == holder.dynamo_id
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= (full - 1) * BLOCK
+
+
+@pytest.mark.sglang_dp
+def test_one_bridge_registers_every_dp_rank_and_dynamo_routes_a_prefix_to_the_rank_holding_it(dynamo, tmp_path):
+    """A DP-attention engine (tiny DeepSeek-V2, `--dp-size 2`) behind one bridge given rank 0's
+    runner: Dynamo sees each rank's pages under (worker, rank) and runs a follow-up on that rank."""
+    from sglang_adapter.cpu_harness.model import build_mla_model
+    from sglang_adapter.cpu_harness.server import LiveServer
+
+    model = build_mla_model(tmp_path / "tiny-mla")
+    fe = dynamo.frontend()
+    engine = LiveServer(tmp_path, "sdp", model, env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
+                        args=["--tp", "2", "--dp-size", "2", "--enable-dp-attention",
+                              "--hicache-storage-prefetch-policy", "wait_complete"])
+    bridge = None
+    try:
+        engine.start().wait_ready()
+        ready = tmp_path / "sdp.bridge.json"
+        bridge = start_bridge(BridgeOptions(backend=engine.url, runner=engine.rank(0)["http"],
+                                            model_path=str(model), model_name=MODEL_NAME, python=dynamo_python(),
+                                            ready_file=str(ready)),
+                              log_path=str(tmp_path / "sdp.bridge.log"), env=dynamo.env)
+        wait_for(ready.exists, 90, "the bridge registered")
+        registered = json.loads(ready.read_text())
+        assert registered["dp_ranks"] == [0, 1]
+        worker = registered["worker_id"]
+        probe = dynamo.probe()
+        tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        p = words("delta", 80)
+        tokens = tokenizer.encode(p, add_special_tokens=False).ids
+        full = len(tokens) // BLOCK
+        engine.post("/generate", {"input_ids": tokens, "routed_dp_rank": 1,
+                                  "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        wait_for(lambda: max(probe.overlaps(tokens).get((worker, 1), {"device": 0}).values()) >= full - 1, 30,
+                 "rank 1's blocks in Dynamo under (worker, 1)")
+        assert max(probe.overlaps(tokens).get((worker, 0), {"device": 0}).values()) == 0
+        follow = complete(fe, p + " then more")
+        choice = fe.selections()[-1]
+        assert (int(choice["worker_id"]), int(choice["dp_rank"])) == (worker, 1), choice
+        assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= (full - 1) * BLOCK  # rank 1's own pages
+    finally:
+        if bridge is not None:
+            stop_process(bridge)
+        engine.stop()

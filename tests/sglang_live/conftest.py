@@ -138,15 +138,38 @@ def revoked_claim_comes_back(source: LiveServer, puller: LiveServer, seed: int) 
     assert logprobs(got) == logprobs(generate(source, text))
 
 
+def on_rank(server, rank: int, text: str) -> dict:
+    """A greedy /generate that SGLang's DP controller runs on DP rank `rank`."""
+    return generate(server, text, routed_dp_rank=rank)
+
+
+def rank_stored(server, rank: int) -> set[int]:
+    """The block hashes DP rank `rank`'s runner holds in its own tiers."""
+    from kvcr.client import ControlClient
+    from kvcr.proto.events import RUNNER_MEDIA, BlockStored
+
+    with ControlClient(server.rank(rank)["control"]) as client:
+        return {h for e in client.snapshot()[1] if isinstance(e, BlockStored) and e.medium in RUNNER_MEDIA
+                for h in e.block_hashes}
+
+
+def rank_metrics(server, rank: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(server.rank(rank)["http"] + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 @pytest.fixture
 def live():
     """The helpers live tests share (generate, serve, logprobs, flush, scheduler, pulls_again,
-    revoked_claim_comes_back)."""
+    revoked_claim_comes_back; for DP engines on_rank, rank_stored, rank_metrics)."""
     class Live:
         pass
     h = Live()
     h.generate, h.serve, h.logprobs, h.flush = generate, serve, logprobs, flush
     h.scheduler, h.pulls_again, h.revoked_claim_comes_back = scheduler, pulls_again, revoked_claim_comes_back
+    h.on_rank, h.rank_stored, h.rank_metrics = on_rank, rank_stored, rank_metrics
     return h
 
 

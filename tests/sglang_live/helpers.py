@@ -30,3 +30,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 
     assert any(line.startswith(name) for line in text.splitlines()), f"metric {name} missing"
     return summed(text, name, **labels)
+
+
+# DP attention over two ranks (a DeepSeek-V2: SGLang's Llama has no DP-attention path)
+DP_ATTENTION = ["--tp", "2", "--dp-size", "2", "--enable-dp-attention", "--hicache-storage-prefetch-policy",
+                "wait_complete", "--enable-cache-report"]
+

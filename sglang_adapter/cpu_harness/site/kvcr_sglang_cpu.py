@@ -136,6 +136,25 @@ def _patch_mla_dispatch(module) -> None:
     module.AttentionBackendRegistry.register("torch_native", module._dispatch_mla_subtype)
 
 
+def _patch_torch_native(module) -> None:
+    # DP attention pads a rank's batch to the group's size; on CPU it asks the attention backend for
+    # the padded rows' seq len, which only SGLang's AMX backend (sgl_kernel's CPU ops) answers.
+    module.TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+
+
+def _patch_rotary(module) -> None:
+    # A DP-attention rank without requests runs an empty (idle) batch in step with the others; the
+    # native rotary embedding cannot reshape zero tokens, where CUDA's kernel does nothing.
+    native = module.RotaryEmbedding.forward_native
+
+    def forward_native(self, positions, query, key, *args, **kwargs):
+        if positions.numel() == 0:
+            return query, key
+        return native(self, positions, query, key, *args, **kwargs)
+
+    module.RotaryEmbedding.forward_native = forward_native
+
+
 def _patch_torch(module) -> None:
     stream = module.cpu.Stream
     stream.synchronize = lambda self: None
@@ -156,6 +175,8 @@ PATCHES = {
     "sglang.srt.mem_cache.pool_host.mla": _patch_mla,
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_dispatch,
     "sglang.srt.mem_cache.allocator.paged": _patch_paged_allocator,
+    "sglang.srt.layers.attention.torch_native_backend": _patch_torch_native,
+    "sglang.srt.layers.rotary_embedding.base": _patch_rotary,
 }
 
 
