@@ -369,9 +369,9 @@ def _validate(cfg: Config) -> None:
     _require(r.dp_size >= 1 and (r.dp_size == 1 or r.dp_rank < r.dp_size),
              f"runner.dp_size = {r.dp_size} must be >= 1, and above runner.dp_rank = {r.dp_rank} when > 1")
     _require(not r.advertise_host or r.advertise_host not in WILDCARD_HOSTS and bool(
-             re.fullmatch(r"[A-Za-z0-9_.-]+|\[?[0-9A-Fa-f]*:[0-9A-Fa-f]*:[0-9A-Fa-f:.]*\]?", r.advertise_host)),
-             f"runner.advertise_host = {r.advertise_host!r} must be a host name or address others reach (no "
-             "scheme, port or wildcard)")
+             re.fullmatch(r"[A-Za-z0-9_.-]+|(\[)?[0-9A-Fa-f]*:[0-9A-Fa-f]*:[0-9A-Fa-f:.]*(?(1)\])", r.advertise_host)),
+             f"runner.advertise_host = {r.advertise_host!r} must be a host name or an address (IPv6 bare or in "
+             "brackets), with no scheme, port or wildcard")
     _require(r.lease_seconds > 0, f"runner.lease_seconds = {r.lease_seconds} must be > 0")
     _require(not (r.keys_dir and r.curve_public_key), "set runner.keys_dir or runner.curve_public_key, not both")
     _require(bool(r.curve_public_key) == bool(r.curve_secret_key),

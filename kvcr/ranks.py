@@ -42,10 +42,29 @@ def _rank_dir(path: str, rank: int, size: int) -> str:
     return str(Path(path) / f"dp{rank}") if path and size > 1 else path
 
 
+def _check_ranges(cfg: Config, size: int) -> None:
+    """Each fixed port's ranks take base..base + size - 1: two keys whose ranges meet would make one
+    rank's socket another's (events 5557 and replay 5558 at two ranks), so they are refused by name."""
+    r, e = cfg.runner, cfg.events
+    ports = {key: int(m.group(2)) for key, endpoint in (
+        ("runner.control_endpoint", r.control_endpoint), ("events.endpoint", e.endpoint),
+        ("events.replay_endpoint", e.replay_endpoint), ("events.engine_endpoint", e.engine_endpoint),
+        ("events.engine_replay_endpoint", e.engine_replay_endpoint)) if (m := _TCP.fullmatch(endpoint))}
+    ports["runner.http_port"] = r.http_port
+    fixed = sorted((port, key) for key, port in ports.items() if port)
+    for (low, low_key), (high, high_key) in zip(fixed, fixed[1:]):
+        if high < low + size:
+            raise ConfigError(f"{low_key} (port {low}) and {high_key} (port {high}): with runner.dp_size = {size} the "
+                              f"ranks bind {low}..{low + size - 1} and {high}..{high + size - 1}, which meet; space "
+                              f"the base ports at least {size} apart")
+
+
 def for_rank(cfg: Config, rank: int, size: int) -> Config:
     """The runner config of DP rank `rank` of `size`, from the engine's one config (the base)."""
     if size < 1 or not 0 <= rank < size:
         raise ConfigError(f"DP rank {rank} of {size}: need 0 <= rank < size")
+    if size > 1:
+        _check_ranges(cfg, size)
     r, e = cfg.runner, cfg.events
     runner = replace(r, dp_rank=rank, dp_size=size, state_dir=_rank_dir(r.state_dir, rank, size),
                      control_endpoint=rank_endpoint("runner.control_endpoint", r.control_endpoint, rank, size),
@@ -69,9 +88,20 @@ def default_route_address() -> str:
             return socket.gethostname()
 
 
+_BOUND = re.compile(r"(\w+)://(.+):(\d+)(/.*)?")
+
+
+def is_wildcard(endpoint: str) -> bool:
+    m = _BOUND.fullmatch(endpoint or "")
+    return bool(m) and m.group(2) in WILDCARD_HOSTS
+
+
 def advertised(endpoint: str, host: str) -> str:
-    """A bound endpoint (tcp://H:P or http://H:P) as others should dial it: a wildcard H becomes `host`."""
-    m = re.fullmatch(r"(\w+)://(.+):(\d+)(/.*)?", endpoint or "")
-    if not m or m.group(2) not in WILDCARD_HOSTS:
+    """A bound endpoint (tcp://H:P or http://H:P) as others should dial it: a wildcard H becomes
+    `host` (an IPv6 address in brackets)."""
+    if not is_wildcard(endpoint):
         return endpoint
+    m = _BOUND.fullmatch(endpoint)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     return f"{m.group(1)}://{host}:{m.group(3)}{m.group(4) or ''}"

@@ -22,7 +22,7 @@ from .drivers.zmq_relay import EngineRelay
 from .metrics import make_registry
 from .proto.messages import CAPABILITIES, PROTOCOL_MAJOR, PROTOCOL_MINOR
 from .peer_pulls import PeerPulls
-from .ranks import advertised, default_route_address
+from .ranks import advertised, default_route_address, is_wildcard
 from .runner import open_store
 
 if TYPE_CHECKING:
@@ -135,13 +135,20 @@ class Service:
                 "heartbeat_s": self.cfg.events.heartbeat_s, "events_curve": self.cfg.events_curve,
                 "endpoints": {"events": self._advertised(self.publisher.bound_endpoint),
                               "replay": self._advertised(self.publisher.bound_replay_endpoint),
-                              "control": self._advertised(self.control.bound_endpoint),
+                              "control": self.control_endpoint,
                               "http": self._advertised(self.http.url), "local_control": self.control.local_path},
                 "relays_engine": self.relay is not None,
                 "ucx": self._ucx_info(),
                 "topic": self.cfg.events.topic, **self.runner.info()}
 
+    @property
+    def control_endpoint(self) -> str:
+        """The control endpoint peers dial (what info publishes)."""
+        return self._advertised(self.control.bound_endpoint)
+
     def _advertised(self, endpoint: str) -> str:
+        if not is_wildcard(endpoint):
+            return endpoint
         if self._advertise_host is None:
             self._advertise_host = self.cfg.runner.advertise_host or default_route_address()
         return advertised(endpoint, self._advertise_host)

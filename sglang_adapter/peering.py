@@ -30,7 +30,8 @@ class Peering:
         feed = None
         if (cfg.peers or registry is not None) and cfg.opportunistic:
             own = frozenset(p["namespace_digest"] for p in service.runner.info()["pools"])
-            feed = PeerFeed(list(cfg.peers), service.control.bound_endpoint, service.cfg.curve(), directory=registry,
+            # ourselves as peers see us (a wildcard bind is published as the advertised host)
+            feed = PeerFeed(list(cfg.peers), service.control_endpoint, service.cfg.curve(), directory=registry,
                             namespaces=own).start()
             service.metrics.register(feed)
         return cls(registry, feed)

@@ -74,6 +74,7 @@ def test_side_pools_get_their_own_aligned_slots(tmp_path):
     ("[runner]\ndp_size = 2\ndp_rank = 2\n", "above runner.dp_rank = 2"),
     ("[runner]\nadvertise_host = \"0.0.0.0\"\n", "runner.advertise_host = '0.0.0.0' must be a host name"),
     ("[runner]\nadvertise_host = \"http://h\"\n", "runner.advertise_host = 'http://h'"),
+    ("[runner]\nadvertise_host = \"[fd00::1\"\n", "runner.advertise_host = '[fd00::1'"),
 ])
 def test_bad_config_is_refused_naming_the_key(tmp_path, text, problem):
     (tmp_path / "c.toml").write_text(text)

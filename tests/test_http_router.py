@@ -230,7 +230,7 @@ def test_each_streamed_answers_first_byte_is_a_cost_sample_and_the_weights_are_e
     generate(front.url, PROMPT)  # not streamed: its first byte is its whole answer, no sample
     assert cost_samples(front.url) == before + 3
     metrics = http(front.url + "/metrics")[2].decode()
-    assert 'kvcr_router_tier_weight{source="configured",tier="host",worker=' in metrics
+    assert 'kvcr_router_tier_weight{dp_rank="0",source="configured",tier="host",worker=' in metrics
 
 
 def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, tmp_path):
@@ -249,7 +249,8 @@ def test_a_posted_hint_reaches_a_worker_that_gets_no_hint_in_its_body(cluster, t
 
 class BrokenEngine:
     """A recording stub (the one fake here): an engine that answers badly, which no real worker
-    does on purpose. `mode` picks the failure; `bodies` records what the router forwarded."""
+    does on purpose. `mode` picks the failure ("answer": a fixed good answer, where only what the
+    router forwarded is under test); `bodies` records what the router forwarded."""
 
     def __init__(self, mode: str) -> None:
         import http.server
@@ -276,6 +277,13 @@ class BrokenEngine:
                     self.send_header("Content-Length", "4")
                     self.end_headers()
                     self.wfile.write(b"busy")
+                elif mode == "answer":
+                    text = b'{"text": "ok", "meta_info": {}}'
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(text)))
+                    self.end_headers()
+                    self.wfile.write(text)
                 elif mode == "silent":  # takes the request and answers nothing
                     outer.closed.wait(30)
                 elif mode == "endless":  # streams until the router closes the connection
@@ -331,6 +339,38 @@ def test_a_failing_engine_is_passed_through_or_cut_never_answered_twice(runner_f
         assert len(engine.bodies) == 1 and "kv_hints" not in engine.bodies[0]  # sent once: no other worker
         metrics = http(front.url + "/metrics")[2].decode()
         assert 'kvcr_router_upstream_errors_total{worker="s"} 1.0' in metrics
+    finally:
+        front.stop()
+        engine.close()
+
+
+def test_a_dp_engine_named_by_one_ranks_runner_is_routed_per_rank_with_the_rank_in_the_body(runner_factory,
+                                                                                              tmp_path):
+    """The runners of an engine's two DP ranks (one config: base ports + rank); the router, given rank 0's,
+    follows both as (worker, rank) and tells the engine which rank runs each request."""
+    from sglang_adapter.cpu_harness.server import free_port
+    from tests.cluster import Child
+
+    control, http_port = free_port(2), free_port(2)
+    group = {"runner.block_size": 16, "runner.dp_size": 2, "runner.control_endpoint": f"tcp://127.0.0.1:{control}",
+             "runner.http_port": http_port}
+    infos = [runner_factory(f"dp{rank}", **group, **{"runner.dp_rank": rank}).start() for rank in (0, 1)]
+    engine = BrokenEngine("answer")
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"port": 0}, "workers": [
+        {"name": "dp", "url": engine.url, "runner": infos[0]["endpoints"]["http"], "engine": "sglang"}]}))
+    front = Child(tmp_path, "router-dp", ["router", "--config", str(cfg)]).start()
+    try:
+        front.wait_ready()
+        workers = json.loads(http(front.url + "/workers")[2])
+        assert sorted((w["name"], w["dp_rank"]) for w in workers) == [("dp", 0), ("dp", 1)]
+        for i in range(4):  # a client's own rank is the router's to choose
+            status, headers, _ = http(front.url + "/generate", {"text": f"{i} {PROMPT}", "routed_dp_rank": 7,
+                                                                "data_parallel_rank": 7})
+            assert status == 200
+            sent = engine.bodies[-1]
+            assert sent["routed_dp_rank"] == int(headers["X-KVCR-DP-Rank"]) in (0, 1)
+            assert "data_parallel_rank" not in sent
     finally:
         front.stop()
         engine.close()

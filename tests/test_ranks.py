@@ -27,6 +27,14 @@ def test_a_port_range_past_65535_is_refused_on_every_rank_naming_the_key(rank):
         for_rank(load_config(None, {"runner.control_endpoint": "tcp://127.0.0.1:65535"}), rank, 2)
 
 
+def test_two_keys_whose_rank_ranges_meet_are_refused_by_name():
+    base = load_config(None, {"events.endpoint": "tcp://127.0.0.1:5557",
+                              "events.replay_endpoint": "tcp://127.0.0.1:5558"})
+    assert for_rank(base, 0, 1).events.replay_endpoint == "tcp://127.0.0.1:5558"  # one rank: no range
+    with pytest.raises(ConfigError, match=r"events.endpoint \(port 5557\) and events.replay_endpoint \(port 5558\)"):
+        for_rank(base, 1, 2)
+
+
 def test_a_ranks_config_offsets_every_fixed_port_and_keeps_its_state_apart():
     base = load_config(None, {"runner.control_endpoint": "tcp://127.0.0.1:5600", "runner.http_port": 9090,
                               "events.endpoint": "tcp://127.0.0.1:5700", "events.replay_endpoint": "tcp://127.0.0.1:0",
@@ -52,8 +60,14 @@ def test_a_rank_outside_the_group_is_refused(rank, size):
     ("tcp://0.0.0.0:5601", "tcp://10.1.2.3:5601"),
     ("tcp://*:5601", "tcp://10.1.2.3:5601"),
     ("http://0.0.0.0:9090", "http://10.1.2.3:9090"),
+    ("tcp://[::]:5601", "tcp://10.1.2.3:5601"),
     ("tcp://192.0.2.7:5601", "tcp://192.0.2.7:5601"),
     ("ipc:///run/x", "ipc:///run/x"),
 ])
 def test_a_wildcard_bind_is_published_with_the_advertised_host(endpoint, expected):
     assert advertised(endpoint, "10.1.2.3") == expected
+
+
+def test_an_ipv6_advertised_host_is_published_in_brackets():
+    assert advertised("http://0.0.0.0:9090", "fd00::1") == "http://[fd00::1]:9090"
+    assert advertised("tcp://*:5600", "[fd00::1]") == "tcp://[fd00::1]:5600"

@@ -181,13 +181,15 @@ def rank_views(info: dict, *, dp_rank: int | None) -> list[RunnerView]:
     """The runner `info` describes and every other DP rank of its engine its info lists (one
     bridge registers them all as one Dynamo worker), in rank order."""
     first = runner_view(info, dp_rank=dp_rank)
-    others = [runner_view(fetch_info(url, token=client_http_token()), dp_rank=int(rank))
-              for rank, url in info.get("dp_ranks", {}).items() if int(rank) != first.dp_rank]
-    views = sorted([first, *others], key=lambda v: v.dp_rank)
-    if [v.dp_rank for v in views] != list(range(views[0].dp_rank, views[0].dp_rank + len(views))):
-        raise BridgeError(f"the engine's DP ranks {[v.dp_rank for v in views]} are not contiguous: Dynamo takes a "
-                          "start rank and a size")
-    return views
+    if info.get("dp_size", 1) > 1 and not info.get("dp_ranks"):
+        log.warning("the runner is DP rank %d of %d and its HTTP port is ephemeral: its other ranks are not "
+                    "registered (fix the engine's runner.http_port)", first.dp_rank, info["dp_size"])
+    try:
+        others = [runner_view(fetch_info(url, token=client_http_token()), dp_rank=int(rank))
+                  for rank, url in info.get("dp_ranks", {}).items() if int(rank) != first.dp_rank]
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise BridgeError(f"a DP rank of the engine did not answer at its /info: {exc}") from None
+    return sorted([first, *others], key=lambda v: v.dp_rank)  # 0..N-1: Dynamo takes a start rank and a size
 
 
 def runtime_config(ranks: list[RunnerView], args: argparse.Namespace):
@@ -247,14 +249,18 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop during start-up still deregisters
         loop.add_signal_handler(sig, stop.set)
-    ranks = rank_views(fetch_runner_info(args.backend, args.runner), dp_rank=args.dp_rank)
-    feeds = [FeedRelay(events=r.events, replay=r.replay, control=r.control, dp_rank=r.dp_rank,
-                       dead_after_s=dead_after(r, args.dead_after), curve=feed_keys(r)).start() for r in ranks]
+    info = fetch_runner_info(args.backend, args.runner)
+    ranks = rank_views(info, dp_rank=args.dp_rank)
+    # one URL serves a DP engine's every rank: requests name the one Dynamo chose
     forwarder = Forwarder(args.backend, default_max_tokens=args.max_tokens, oracle=args.oracle,
-                          model=args.model_name, ranks=tuple(r.dp_rank for r in ranks) if len(ranks) > 1 else None)
+                          model=args.model_name,
+                          ranks=tuple(r.dp_rank for r in ranks) if info.get("dp_size", 1) > 1 else None)
     rt = serving = None
-    publishers = []
+    publishers, feeds = [], []
     try:
+        for r in ranks:
+            feeds.append(FeedRelay(events=r.events, replay=r.replay, control=r.control, dp_rank=r.dp_rank,
+                                   dead_after_s=dead_after(r, args.dead_after), curve=feed_keys(r)).start())
         discovery, request_plane, event_plane = dynamo_planes()
         rt = DistributedRuntime(loop, discovery, request_plane, event_plane=event_plane)
         endpoint = rt.endpoint(f"{args.namespace}.{args.component}.generate")

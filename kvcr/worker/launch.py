@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import check_hint_sources, load_config
+from ..config import ConfigError, check_hint_sources, load_config
 from ..service import Service
 from .engine import POOL, Engine
 from .model import TinyLM
@@ -32,6 +32,9 @@ def build(args: argparse.Namespace, overrides: dict) -> Worker:
     forced = {"runner.block_size": args.page_size, "namespace.model": model_name, "namespace.dtype": "float32",
               "dram.pools": [{"name": POOL, "page_bytes": model_cfg.page_bytes(args.page_size)}]}
     cfg = load_config(args.config, {"runner.name": args.name, "runner.peers": ["*"], **overrides, **forced})
+    if cfg.runner.dp_size > 1:
+        raise ConfigError(f"runner.dp_size = {cfg.runner.dp_size}: a kvcr worker is one engine of one rank (set "
+                          "runner.dp_rank alone to number it)")
     check_hint_sources(cfg, args.host)
     service = Service(cfg).start()
     try:

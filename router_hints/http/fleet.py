@@ -50,20 +50,22 @@ class Fleet:
         info = await self._info_until(entry, None, deadline)
         found = [(from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role), None)]
         ranks = {int(rank): url for rank, url in info.get("dp_ranks", {}).items() if int(rank) != info["dp_rank"]}
-        if info.get("dp_size", 1) > 1 and not ranks:
+        dp = info.get("dp_size", 1) > 1  # requests name the rank: one URL serves them all
+        if dp and not ranks:
             log.warning("worker %s: DP rank %d of %d, and its runner's HTTP port is ephemeral: its other ranks are "
-                        "not found (fix runner.http_port, or list each rank's runner)", entry.name, info["dp_rank"],
-                        info["dp_size"])
+                        "not found (fix the engine's runner.http_port)", entry.name, info["dp_rank"], info["dp_size"])
         for rank, url in sorted(ranks.items()):
             rank_info = await self._info_until(entry, url, deadline)
             found.append((from_runner_info(entry.name, rank_info, block_size=self.cfg.block_size, role=entry.role),
                           url))
         for publisher, url in found:
-            self.core.add(publisher)
             worker = (publisher.worker_id, publisher.dp_rank)
+            if worker in self.entries:  # found already, through another rank's entry
+                continue
+            self.core.add(publisher)
             self.entries[worker] = entry
             self.rank_info[worker] = url
-            if len(found) > 1:
+            if dp:
                 self.ranked.add(worker)
             await self.resync(worker)
             log.info("worker %s (DP rank %d): events %s, control %s", entry.name, publisher.dp_rank,

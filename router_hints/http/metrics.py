@@ -75,20 +75,22 @@ class MeasuredCosts:
 
     def collect(self):
         per = GaugeMetricFamily("kvcr_router_seconds_per_block", "Measured seconds to first byte a block adds, "
-                                "by worker and kind (computed, or held at a tier)", labels=["worker", "kind"])
+                                "by worker and kind (computed, or held at a tier)",
+                                labels=["worker", "dp_rank", "kind"])
         weight = GaugeMetricFamily("kvcr_router_tier_weight", "Share of a recompute a block held at a tier "
                                    "saves, as the worker is scored (source: measured, or configured)",
-                                   labels=["worker", "tier", "source"])
+                                   labels=["worker", "dp_rank", "tier", "source"])
         samples = CounterMetricFamily("kvcr_router_cost_samples", "Streamed requests whose first byte was timed "
-                                      "for the measured costs", labels=["worker"])
+                                      "for the measured costs", labels=["worker", "dp_rank"])
         for worker, rates in sorted(self.core.rates.workers.items()):
-            name = self.worker_name(worker)
-            samples.add_metric([name], rates.samples)
+            # a DP engine's ranks share its name: the rank keeps their series apart
+            name, rank = self.worker_name(worker), str(worker[1])
+            samples.add_metric([name, rank], rates.samples)
             for kind, seconds in rates.seconds_per_block.items():
-                per.add_metric([name, kind], seconds)
+                per.add_metric([name, rank, kind], seconds)
             measured = rates.measured if self.measure_costs else {}
             for tier, w in tier_weights(self.core.model_of(worker)).items():
-                weight.add_metric([name, tier, "measured" if tier in measured else "configured"], w)
+                weight.add_metric([name, rank, tier, "measured" if tier in measured else "configured"], w)
         yield per
         yield weight
         yield samples

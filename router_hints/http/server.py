@@ -189,7 +189,7 @@ class Router:
             if decision.hint is not None:
                 body, hinted = await self._issue_hint(route, target, body, decision.hint)
             if target in self.fleet.ranked:  # one URL serves every rank: SGLang's DP controller routes by this
-                body = {**body, "routed_dp_rank": target[1]}
+                body = {**{k: v for k, v in body.items() if k != "data_parallel_rank"}, "routed_dp_rank": target[1]}
             outcome = await self._relay(request, entry, route, body, booking, decision, hinted)
             served = not isinstance(outcome, Failed)
             return outcome
@@ -230,7 +230,8 @@ class Router:
                                 and chunk and b'"error"' not in chunk[:64] else None)
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), "X-KVCR-Worker": entry.name,
-                    **({"X-KVCR-DP-Rank": str(body["routed_dp_rank"])} if "routed_dp_rank" in body else {})})
+                    **({"X-KVCR-DP-Rank": str(decision.choice.worker[1])} if decision.choice.worker in self.fleet.ranked
+                       else {})})
                 try:
                     await resp.prepare(request)
                     while chunk:
