@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TRANSPORTS = {"shared memory": "sm,tcp", "tcp": "tcp"}
+STREAMS = (1, 2, 4)  # the plain-socket ceiling: the best of these many TCP connections at once
 CASES = [(4 << 10, 512), (64 << 10, 256), (1 << 20, 64), (8 << 20, 16)]
 
 
@@ -72,6 +73,67 @@ def start_filled_source(tmp: Path, page_bytes: int, pages: int, env: dict, paylo
         writer.put("kv", keys, payload)
         writer.close()
     return proc, control, keys, payload
+
+
+def socket_server(total: int, streams: int) -> None:
+    """Serve `total` bytes over `streams` loopback connections, each its share per request byte."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    share = memoryview(os.urandom(total // streams))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while conn.recv(1):
+                conn.sendall(share)
+    conns = [listener.accept()[0] for _ in range(streams)]
+    threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def socket_times(total: int, repeats: int) -> dict[int, list[float]]:
+    """The same bytes over plain TCP sockets between two processes (loopback), per stream count:
+    the transfer a TCP-only peer could reach without UCX."""
+    import socket
+    import threading
+
+    out = {}
+    for streams in STREAMS:
+        server = subprocess.Popen([sys.executable, __file__, "--socket-server", f"{total},{streams}"],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(server.stdout.readline())
+            conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+            dest = memoryview(bytearray(total))
+            share = total // streams
+
+            def fetch(conn: socket.socket, view: memoryview) -> None:
+                conn.sendall(b"x")
+                got = 0
+                while got < len(view):
+                    got += conn.recv_into(view[got:])
+
+            def once() -> float:
+                t0 = time.perf_counter()
+                threads = [threading.Thread(target=fetch, args=(c, dest[i * share:(i + 1) * share]))
+                           for i, c in enumerate(conns)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                return time.perf_counter() - t0
+            once()
+            out[streams] = [once() for _ in range(repeats)]
+            for c in conns:
+                c.close()
+        finally:
+            server.wait(10)
+    return out
 
 
 def child(transport: str, repeats: int, quick: bool) -> list[dict]:
@@ -127,13 +189,23 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                     assert checking.pull(control, "kv", keys, dests).delivered == pages
                     return time.perf_counter() - t0
 
-                raw(), ours(), tagged(), checked()  # warm-up: endpoints, rkey unpack, page faults
-                base, cand, tag, check = [], [], [], []
+                def copied() -> float:  # the same-host copy `auto` picks on one host
+                    puller.transport = "shm"
+                    try:
+                        return ours()
+                    finally:
+                        puller.transport = "get"
+
+                same_host = transport == "shared memory"
+                raw(), ours(), tagged(), checked(), same_host and copied()  # warm-up: endpoints, rkeys, faults
+                base, cand, tag, check, copy = [], [], [], [], []
                 for _ in range(repeats):
                     base.append(raw())
                     cand.append(ours())
                     tag.append(tagged())
                     check.append(checked())
+                    if same_host:
+                        copy.append(copied())
                 got = ctypes.string_at(dest, page_bytes * pages)
                 assert all(got[s * page_bytes:(s + 1) * page_bytes] == payload[i] for i, s in enumerate(slots))
                 rtt = []
@@ -144,8 +216,11 @@ def child(transport: str, repeats: int, quick: bool) -> list[dict]:
                         puller.release(conf)
                         rtt.append(time.perf_counter() - t0)
                 total = page_bytes * pages
+                sockets = socket_times(total, repeats) if transport == "tcp" else {}
                 rows.append({"transport": transport, "page_bytes": page_bytes, "pages": pages, "gets": len(ops),
                              "base": [total / t / 1e9 for t in base], "cand": [total / t / 1e9 for t in cand],
+                             "copy": [total / t / 1e9 for t in copy],
+                             "sockets": {str(n): [total / t / 1e9 for t in ts] for n, ts in sockets.items()},  # JSON keys
                              "tag": [total / t / 1e9 for t in tag], "checked": [total / t / 1e9 for t in check],
                              "overhead_us": [(c - b) / pages * 1e6 for c, b in zip(cand, base)],
                              "rtt_ms": sorted(x * 1e3 for x in rtt)})
@@ -169,7 +244,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--socket-server", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.socket_server:
+        socket_server(*map(int, args.socket_server.split(",")))
+        return 0
     repeats = max(5, args.repeats)
     if args.child:
         print(json.dumps(child(args.child, repeats, args.quick)))
@@ -196,6 +275,20 @@ def main() -> int:
         print(lines[-1])
         chart[f"{r['transport']}, {r['page_bytes'] >> 10} KiB"] = {
             "raw GET loop": r["base"], "kvcr pull": r["cand"], "kvcr tagged fallback": r["tag"]}
+    # On one host: is UCX's shared-memory GET ever worth picking over the copy `auto` makes?
+    same_host_lines = [f"| {r['page_bytes'] >> 10} KiB | {r['pages']} | {fmt(r['copy'])} | {fmt(r['cand'])} | "
+                       f"{fmt([c / g for c, g in zip(r['copy'], r['cand'])])}× |"
+                       for r in rows if r["copy"]]
+    # TCP: kvcr's pull against UCX's raw GET and against plain sockets moving the same bytes
+    tcp_lines = []
+    for r in (r for r in rows if r["sockets"]):
+        best = max(r["sockets"], key=lambda n: statistics.median(r["sockets"][n]))
+        tcp_lines.append(f"| {r['page_bytes'] >> 10} KiB | {r['pages']} | {fmt(r['cand'])} | {fmt(r['base'])} | "
+                         + " | ".join(fmt(r["sockets"][str(n)]) for n in STREAMS)
+                         + f" | {fmt([c / b for c, b in zip(r['cand'], r['base'])], 100, 0)} % | "
+                         f"{fmt([c / s for c, s in zip(r['cand'], r['sockets'][best])], 100, 0)} % ({best}) |")
+    for line in same_host_lines + tcp_lines:
+        print(line)
     rtt = [r for r in rows if r["rtt_ms"]]
     rtt_lines = [f"| {r['transport']} | {statistics.median(r['rtt_ms']):.3f} | "
                  f"{r['rtt_ms'][int(len(r['rtt_ms']) * 0.99) - 1]:.3f} |" for r in rtt]
@@ -212,11 +305,21 @@ def main() -> int:
              "the source sends). Digests checked: the same pull asking the source for its pages' commit-time "
              "digests and checking the received bytes against them (what CURVE keys turn on); cost = "
              "kvcr / checked − 1.\n\nClaim round trip (confirm of 128 pages + release, 200 samples), ms: see "
-             "the second table.")
+             "the second table. The third: on one host, the same-host copy (`runner.transfer = \"shm\"`, what "
+             "`auto` picks there: the source's pool mapped read-only) against the UCX GET pull over shared "
+             "memory, in the same repeats. The fourth: the TCP pull against UCX's raw GET and against plain "
+             "TCP sockets moving the same bytes between two processes (1, 2, 4 connections at once, "
+             "`recv_into` a pre-faulted buffer, contiguous where kvcr's 4 KiB pages are scattered, one thread "
+             "per connection); the last column is kvcr against "
+             "the best of those (its stream count in brackets).")
     columns = ["transport", "page", "pages", "GETs", "baseline GB/s", "kvcr GB/s", "kvcr/baseline",
                "overhead µs/page", "kvcr tagged fallback GB/s", "kvcr, digests checked GB/s", "digest cost"]
+    same_host_columns = ["page", "pages", "same-host copy GB/s", "UCX GET pull GB/s", "copy / GET"]
+    tcp_columns = ["page", "pages", "kvcr pull GB/s", "UCX raw GET GB/s",
+                   *(f"plain TCP, {n} conn. GB/s" for n in STREAMS), "kvcr / UCX raw GET", "kvcr / best plain TCP"]
     publish("peer_pull", "Peer pulls over UCX", intro,
-            [table(columns, lines), table(["transport", "claim RTT p50 ms", "p99 ms"], rtt_lines)],
+            [table(columns, lines), table(["transport", "claim RTT p50 ms", "p99 ms"], rtt_lines),
+             table(same_host_columns, same_host_lines), table(tcp_columns, tcp_lines)],
             write=not (args.no_write or args.quick), chart=chart)  # a partial run never replaces the full table
     return 0
 
