@@ -32,6 +32,14 @@ def metric(text: str, name: str, **labels: str) -> float:
     return summed(text, name, **labels)
 
 
+def followed_blocks(text: str, peer: str) -> float:
+    """Blocks a runner's feed (its Prometheus `text`) knows `peer` to hold: 0 until it follows the
+    peer at all (the peers directory is scanned every 2 s), where `metric` would fail at once."""
+    from kvcr.demo.sglang_driver import metric as summed
+
+    return summed(text, "kvcr_peer_feed_blocks", peer=peer)
+
+
 # DP attention over two ranks (a DeepSeek-V2: SGLang's Llama has no DP-attention path)
 DP_ATTENTION = ["--tp", "2", "--dp-size", "2", "--enable-dp-attention", "--hicache-storage-prefetch-policy",
                 "wait_complete", "--enable-cache-report"]

@@ -14,7 +14,7 @@ from kvcr.client import fetch_info
 from kvcr.demo.httpc import http
 from sglang_adapter.cpu_harness.model import prompt_text
 from tests.helpers import wait_until
-from tests.sglang_live.helpers import DP_ATTENTION, kvcr_router, metric
+from tests.sglang_live.helpers import DP_ATTENTION, followed_blocks, kvcr_router, metric
 
 pytestmark = [pytest.mark.live_sglang, pytest.mark.sglang_dp]
 PAGE = 16
@@ -44,8 +44,7 @@ def test_a_ranks_pages_serve_the_other_rank_and_another_worker_as_a_cold_computa
     full = cold["meta_info"]["prompt_tokens"] // PAGE
     wait_until(lambda: len(live.rank_stored(a, 0)) >= full, timeout_s=30, message="rank 0 backed the prompt up")
     for server, rank in ((a, 1), (b, 1)):
-        wait_until(lambda: metric(live.rank_metrics(server, rank), "kvcr_peer_feed_blocks",
-                                  peer=a.rank(0)["control"]) >= full,
+        wait_until(lambda: followed_blocks(live.rank_metrics(server, rank), a.rank(0)["control"]) >= full,
                    timeout_s=30, message=f"{server.name} rank {rank} follows A rank 0's stream")
         pulled = live.on_rank(server, rank, text)  # no hint: the rank finds the pages among its peers
         assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE, (server.name, rank)

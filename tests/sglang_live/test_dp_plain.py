@@ -9,7 +9,7 @@ import pytest
 from kvcr.client import fetch_info
 from sglang_adapter.cpu_harness.model import prompt_text
 from tests.helpers import wait_until
-from tests.sglang_live.helpers import metric
+from tests.sglang_live.helpers import followed_blocks
 
 pytestmark = [pytest.mark.live_sglang, pytest.mark.sglang_dp]
 PAGE = 16
@@ -32,8 +32,7 @@ def test_under_plain_dp_each_replica_is_a_rank_and_one_replicas_pages_serve_the_
     cold = live.on_rank(engine, 0, text)
     full = cold["meta_info"]["prompt_tokens"] // PAGE
     wait_until(lambda: len(live.rank_stored(engine, 0)) >= full, timeout_s=30, message="replica 0 backed the prompt up")
-    wait_until(lambda: metric(live.rank_metrics(engine, 1), "kvcr_peer_feed_blocks",
-                              peer=engine.rank(0)["control"]) >= full,
+    wait_until(lambda: followed_blocks(live.rank_metrics(engine, 1), engine.rank(0)["control"]) >= full,
                timeout_s=30, message="replica 1 follows replica 0's stream")
     pulled = live.on_rank(engine, 1, text)
     assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE

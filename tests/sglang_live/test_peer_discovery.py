@@ -11,7 +11,7 @@ import pytest
 
 from sglang_adapter.cpu_harness.model import prompt_text
 from tests.helpers import wait_until
-from tests.sglang_live.helpers import metric
+from tests.sglang_live.helpers import followed_blocks, metric
 
 pytestmark = pytest.mark.live_sglang
 PAGE = 16
@@ -36,7 +36,7 @@ def test_an_engine_serves_its_neighbours_prefix_found_with_kvcrs_defaults(found,
     text = prompt_text(210, 500)
     first = live.serve(a, text)
     full = first["meta_info"]["prompt_tokens"] // PAGE
-    wait_until(lambda: metric(_feed(b), "kvcr_peer_feed_blocks", peer=a.endpoints["control"]) >= full,
+    wait_until(lambda: followed_blocks(_feed(b), a.endpoints["control"]) >= full,
                timeout_s=30, message="B follows A's stream and knows its pages")
     pulled = live.generate(b, text)  # no kv_hints, no router: B looks the pages up among its peers
     assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
@@ -63,7 +63,7 @@ def test_a_restarted_engine_serves_its_first_request_from_the_neighbours_pages(f
     first = live.serve(b, text)
     full = first["meta_info"]["prompt_tokens"] // PAGE
     a.start().wait_ready()
-    wait_until(lambda: metric(_feed(a), "kvcr_peer_feed_blocks", peer=b.endpoints["control"]) >= full,
+    wait_until(lambda: followed_blocks(_feed(a), b.endpoints["control"]) >= full,
                timeout_s=30, message="the restarted A follows B again")
     again = live.generate(a, text)
     assert again["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
@@ -77,7 +77,7 @@ def test_engines_registered_in_etcd_serve_each_others_prefix_and_a_killed_one_le
     text = prompt_text(250, 500)
     first = live.serve(a, text)
     full = first["meta_info"]["prompt_tokens"] // PAGE
-    wait_until(lambda: metric(_feed(b), "kvcr_peer_feed_blocks", peer=a.endpoints["control"]) >= full,
+    wait_until(lambda: followed_blocks(_feed(b), a.endpoints["control"]) >= full,
                timeout_s=30, message="B found A in etcd and follows its stream")
     pulled = live.generate(b, text)  # no hint, no router, no list, no shared directory
     assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE
