@@ -60,6 +60,14 @@ def logprobs(response: dict) -> list[tuple[float, int]]:
     return [(round(lp, 4), tok) for lp, tok, *_ in response["meta_info"]["output_token_logprobs"]]
 
 
+def assert_same_answer(got: dict, cold: dict) -> None:
+    """The same tokens with logprobs within 1e-4: a prefill over a pulled prefix against a one-shot
+    prefill runs other shapes, and rounding both to 4 places split -5.80235 once in a full run."""
+    ours, theirs = (r["meta_info"]["output_token_logprobs"] for r in (got, cold))
+    assert [t for _, t, *_ in ours] == [t for _, t, *_ in theirs]
+    assert [lp for lp, *_ in ours] == pytest.approx([lp for lp, *_ in theirs], abs=1e-4)
+
+
 def debug(front, body: dict, route: str = "generate") -> dict:
     status, _, raw = http(f"{front.url}/debug/index?route={route}", body)
     assert status == 200, raw
@@ -185,7 +193,7 @@ def test_the_follow_up_goes_to_the_idle_engine_with_a_hint_and_is_served_from_th
     cold = a.post("/generate", generate_body(turn2, cache_salt="cold-recompute"))
     assert cold["meta_info"]["cached_tokens"] == 0 and cold["prompt_token_ids"] == ids2
     assert pulled["output_ids"] == cold["output_ids"]
-    assert logprobs(pulled) == logprobs(cold)
+    assert_same_answer(pulled, cold)
 
 
 def test_openai_prompts_are_tokenized_as_the_engine_does_and_their_pages_are_found(cluster):
