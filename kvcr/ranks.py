@@ -15,27 +15,25 @@ from .config import WILDCARD_HOSTS, Config, ConfigError
 _TCP = re.compile(r"(tcp://.+):(\d+)")
 
 
+def rank_port(key: str, value: str | int, port: int, rank: int, size: int) -> int:
+    """Rank `rank`'s port from the base `port` (0, an ephemeral port, stays 0); refused naming `key`
+    and its `value` when the last rank's would pass 65535."""
+    if port == 0:
+        return 0
+    if port + size - 1 > 65535:
+        raise ConfigError(f"{key} = {value!r}: with runner.dp_size = {size} the ranks bind ports {port}.."
+                          f"{port + size - 1}, past 65535; choose a base port at most {65536 - size}")
+    return port + rank
+
+
 def rank_endpoint(key: str, endpoint: str, rank: int, size: int) -> str:
-    """`endpoint` for `rank` of `size`: tcp ports + rank (0, an ephemeral port, stays 0), an ipc
-    path suffixed -dp<rank>; refused by key when the last rank's port would pass 65535."""
-    if not endpoint:
-        return endpoint
+    """`endpoint` for `rank` of `size`: a tcp port + rank, an ipc path suffixed -dp<rank>."""
     m = _TCP.fullmatch(endpoint)
     if m:
-        port = int(m.group(2))
-        if port == 0:
-            return endpoint
-        if port + size - 1 > 65535:
-            raise ConfigError(f"{key} = {endpoint!r}: with runner.dp_size = {size} the ranks bind ports {port}.."
-                              f"{port + size - 1}, past 65535; choose a base port at most {65536 - size}")
-        return f"{m.group(1)}:{port + rank}"
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return endpoint if rank == 0 else f"{endpoint}-dp{rank}"
+        return f"{m.group(1)}:{rank_port(key, endpoint, int(m.group(2)), rank, size)}"
+    if endpoint.startswith(("ipc://", "inproc://")) and rank:
+        return f"{endpoint}-dp{rank}"
     return endpoint
-
-
-def rank_port(key: str, port: int, rank: int, size: int) -> int:
-    return int(rank_endpoint(key, f"tcp://h:{port}", rank, size).rsplit(":", 1)[1])
 
 
 def _rank_dir(path: str, rank: int, size: int) -> str:
@@ -68,7 +66,7 @@ def for_rank(cfg: Config, rank: int, size: int) -> Config:
     r, e = cfg.runner, cfg.events
     runner = replace(r, dp_rank=rank, dp_size=size, state_dir=_rank_dir(r.state_dir, rank, size),
                      control_endpoint=rank_endpoint("runner.control_endpoint", r.control_endpoint, rank, size),
-                     http_port=rank_port("runner.http_port", r.http_port, rank, size))
+                     http_port=rank_port("runner.http_port", r.http_port, r.http_port, rank, size))
     events = replace(e, endpoint=rank_endpoint("events.endpoint", e.endpoint, rank, size),
                      replay_endpoint=rank_endpoint("events.replay_endpoint", e.replay_endpoint, rank, size),
                      engine_endpoint=rank_endpoint("events.engine_endpoint", e.engine_endpoint, rank, size),
@@ -96,12 +94,17 @@ def is_wildcard(endpoint: str) -> bool:
     return bool(m) and m.group(2) in WILDCARD_HOSTS
 
 
+def dialable(host: str, instead: str) -> str:
+    """`host` as a peer dials it: `instead` when it is a wildcard (or empty), an IPv6 address in
+    brackets (it goes into tcp://H:P and http://H:P)."""
+    if not host or host in WILDCARD_HOSTS:
+        host = instead
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def advertised(endpoint: str, host: str) -> str:
-    """A bound endpoint (tcp://H:P or http://H:P) as others should dial it: a wildcard H becomes
-    `host` (an IPv6 address in brackets)."""
+    """A bound endpoint (tcp://H:P or http://H:P) as others should dial it: a wildcard H becomes `host`."""
     if not is_wildcard(endpoint):
         return endpoint
     m = _BOUND.fullmatch(endpoint)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{m.group(1)}://{host}:{m.group(3)}{m.group(4) or ''}"
+    return f"{m.group(1)}://{dialable(m.group(2), host)}:{m.group(3)}{m.group(4) or ''}"

@@ -6,6 +6,8 @@ import json
 import urllib.request
 from dataclasses import dataclass
 
+from kvcr.ranks import dialable
+
 
 class DiscoveryError(ValueError):
     pass
@@ -47,11 +49,7 @@ def from_sglang_server_info(worker_id: str, server_info: dict, host: str, *, blo
                              f"block_size {block_size}")
     if not isinstance(kv.get("endpoint_port_base"), int):
         raise DiscoveryError(f"worker {worker_id}: kv_events has no endpoint_port_base")
-    ev_host = kv.get("endpoint_host") or host
-    if ev_host in ("*", "0.0.0.0", "::", ""):
-        ev_host = host
-    if ":" in ev_host and not ev_host.startswith("["):
-        ev_host = f"[{ev_host}]"  # IPv6 in a tcp:// endpoint
+    ev_host = dialable(kv.get("endpoint_host") or "", host)
     replay_base = kv.get("replay_endpoint_port_base")
     return [Publisher(worker_id, rank, block_size, f"tcp://{ev_host}:{kv['endpoint_port_base'] + rank}",
                       f"tcp://{ev_host}:{replay_base + rank}" if replay_base else None, None)

@@ -18,7 +18,7 @@ from kvcr.curve_keys import client_http_token
 
 from ..breaker import Breakers
 from ..core import RouterCore
-from ..discovery import DiscoveryError, from_runner_info
+from ..discovery import DiscoveryError, Publisher, from_runner_info
 from ..index import Worker
 from .config import RouterConfig, WorkerEntry
 from .dynamo_discovery import entries_from_cards, fetch_cards
@@ -47,17 +47,15 @@ class Fleet:
         """Find the worker's runner through info endpoints (retrying while it starts), and every
         DP rank's runner its info lists: each rank is a worker (name, rank) of its own."""
         deadline = time.monotonic() + timeout_s
-        info = await self._info_until(entry, None, deadline)
-        found = [(from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role), None)]
+        info, first = await self._info_until(entry, None, deadline)
+        found = [(first, None)]
         ranks = {int(rank): url for rank, url in info.get("dp_ranks", {}).items() if int(rank) != info["dp_rank"]}
         dp = info.get("dp_size", 1) > 1  # requests name the rank: one URL serves them all
         if dp and not ranks:
             log.warning("worker %s: DP rank %d of %d, and its runner's HTTP port is ephemeral: its other ranks are "
                         "not found (fix the engine's runner.http_port)", entry.name, info["dp_rank"], info["dp_size"])
         for rank, url in sorted(ranks.items()):
-            rank_info = await self._info_until(entry, url, deadline)
-            found.append((from_runner_info(entry.name, rank_info, block_size=self.cfg.block_size, role=entry.role),
-                          url))
+            found.append(((await self._info_until(entry, url, deadline))[1], url))
         for publisher, url in found:
             worker = (publisher.worker_id, publisher.dp_rank)
             if worker in self.entries:  # found already, through another rank's entry
@@ -71,12 +69,12 @@ class Fleet:
             log.info("worker %s (DP rank %d): events %s, control %s", entry.name, publisher.dp_rank,
                      publisher.events, publisher.control)
 
-    async def _info_until(self, entry: WorkerEntry, url: str | None, deadline: float) -> dict:
+    async def _info_until(self, entry: WorkerEntry, url: str | None, deadline: float) -> tuple[dict, Publisher]:
+        """A runner's info and the publisher it describes, retried until `deadline`."""
         while True:
             try:
                 info = await self._runner_info(entry, url)
-                from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
-                return info
+                return info, from_runner_info(entry.name, info, block_size=self.cfg.block_size, role=entry.role)
             except (OSError, TimeoutError, aiohttp.ClientError, KeyError) as exc:
                 if time.monotonic() > deadline:
                     raise DiscoveryError(f"worker {entry.name}: no runner info at {url or entry.runner or entry.url} "
