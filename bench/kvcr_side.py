@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ROTATION = 4  # destination copies used in turn by every system
 
 
-def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get", tls: str = "sm,tcp") -> float:
+def run_ours(pages: int, page_bytes: int, iterations: int, transport: str = "get", tls: str = "sm,tcp",
+             inline_max: int | None = None) -> float:
+    """`inline_max`: the puller's `inline_max` (None: its default; 0: always claim, GET, release)."""
     code = f"""
 import json, statistics, sys
 sys.path.insert(0, {str(ROOT)!r})
@@ -34,7 +36,8 @@ with tempfile.TemporaryDirectory() as tmp:
     try:
         plane = UcxPlane(progress_thread=False)
         puller = Puller(plane, timeout_s=30, abandon_s=5, transport={transport!r}, local_control={tls != "tcp"},
-                        trusted=frozenset({{control}}))  # a keyless source over TCP: trusted by name
+                        trusted=frozenset({{control}}),  # a keyless source over TCP: trusted by name
+                        **({{"inline_max": {inline_max}}} if {inline_max is not None} else {{}}))
         total = pages * page_bytes
         dest = ctypes.create_string_buffer(ROTATION * total)  # zeroed
         expected = ctypes.create_string_buffer(b"".join(payload), total)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+MAX_INLINE_PULL_BYTES = 64 << 20  # an inline answer is copied on the source's control thread
+# Where a claim's answer carrying the bytes beat claim + GETs + release on loopback TCP (docs/peer.md)
+DEFAULT_INLINE_PULL_BYTES = 128 << 10
 
 
 class ConfigError(ValueError):
@@ -195,6 +198,10 @@ class RunnerConfig:
     copy_threads: int = 0          # same-host copies: threads a large pull is split over (0: one per core, <= 4)
     local_control: bool = True     # serve, and ask, same-host peers over a Unix socket (mode 0600) too
     reply_spin_us: int = 500       # a puller first waits for a peer's claim reply this long without sleeping
+    # A claim of at most this many bytes takes its pages in the answer (one round trip, no GETs):
+    # what a puller asks of sources it does not copy from on this host, and the most a source sends
+    # that way. 0: never (docs/peer.md, "Small pulls").
+    inline_pull_bytes: Size = Size(DEFAULT_INLINE_PULL_BYTES)
     # ZMQ CURVE on the control socket: a deployment keypair (z85), used by every runner as server
     # and as client. Peers without it get no answer at all. Empty: no authentication.
     curve_public_key: str = ""
@@ -385,6 +392,8 @@ def _validate(cfg: Config) -> None:
              f"runner.transfer = {r.transfer!r} must be one of get, tag, shm, auto")
     _require(0 <= r.reach_probe_s <= 60, f"runner.reach_probe_s = {r.reach_probe_s} must be in 0..60 (0: no probes)")
     _require(0 <= r.reply_spin_us <= 100_000, f"runner.reply_spin_us = {r.reply_spin_us} must be in 0..100000")
+    _require(0 <= r.inline_pull_bytes <= MAX_INLINE_PULL_BYTES,
+             f"runner.inline_pull_bytes = {r.inline_pull_bytes} must be in 0..{MAX_INLINE_PULL_BYTES} (0: never)")
     _require(r.max_claims_per_peer >= 0, f"runner.max_claims_per_peer = {r.max_claims_per_peer} must be >= 0")
     _require(r.pull_timeout_s > 0 and r.pull_abandon_s > 0,
              f"runner.pull_timeout_s = {r.pull_timeout_s} / runner.pull_abandon_s = {r.pull_abandon_s} must be > 0")

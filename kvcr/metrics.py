@@ -168,7 +168,11 @@ class RunnerCollector:
                                 value=plane.registered_bytes)
         yield GaugeMetricFamily("kvcr_ucx_registration_seconds", "Time the region registration took",
                                 value=plane.registration_seconds)
-        yield CounterMetricFamily("kvcr_pulled_pages", "Pages pulled from peers into DRAM", value=pulls.pulled)
+        yield CounterMetricFamily("kvcr_pulled_pages", "Pages peers delivered (into DRAM, or an engine's host pages)",
+                                  value=pulls.pulled)
+        yield CounterMetricFamily("kvcr_pulled_inline_pages",
+                                  "Of the pulled pages, those that came in the claim's answer (small pulls, no GETs)",
+                                  value=pulls.inline)
         yield CounterMetricFamily("kvcr_ucx_workers_retired",
                                   "Pull workers destroyed after a transfer that did not end in time",
                                   value=plane.num_retired_workers)

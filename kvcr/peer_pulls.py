@@ -38,6 +38,7 @@ class PullStatistics:
     recovered: int            # back-offs ended early: a probe found the source answering again
     refused_untrusted: int
     hinted_hashes: int        # block hashes held from posted hints
+    inline: int = 0           # pages delivered out of a claim's answer (small pulls: no GETs)
 
 
 class PeerPulls:
@@ -93,7 +94,7 @@ class PeerPulls:
         have = runner.lookup(pool, keys)
         if have == len(keys) or self.claims is None:
             return have
-        claim = self.claims.claim(endpoint, pool, page_hexes[have:])
+        claim = self.claims.claim(endpoint, pool, page_hexes[have:], move=move)
         if claim is not None:
             self.take_confirmed(claim, move=move)
         return runner.lookup(pool, keys)
@@ -135,7 +136,8 @@ class PeerPulls:
         with self._lock:
             return PullStatistics(self._pulled, self._uncertain, p.num_digest_mismatches if p else 0,
                                   p.reach.num_failures if p else 0, p.reach.num_skipped if p else 0,
-                                  p.reach.num_recovered if p else 0, p.num_refused_untrusted if p else 0, len(self._hints))
+                                  p.reach.num_recovered if p else 0, p.num_refused_untrusted if p else 0,
+                                  len(self._hints), p.num_inline_pages if p else 0)
 
     def close(self) -> None:
         if self.claims is not None:

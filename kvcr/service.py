@@ -83,7 +83,7 @@ class Service:
                       curve=self.cfg.curve(),
                       verify_transfer_bytes=self.cfg.page_digests, transport=r.transfer,
                       copy_threads=r.copy_threads, local_control=r.local_control, reply_spin_s=r.reply_spin_us / 1e6,
-                      page_bytes={n: lay.page_bytes for n, lay in layouts.items()})
+                      inline_max=r.inline_pull_bytes, page_bytes={n: lay.page_bytes for n, lay in layouts.items()})
 
     def _housekeeping(self) -> None:
         while not self.stopped.wait(0.05):

@@ -136,8 +136,10 @@ class KVCRSidecarStorage(ConfirmedLookup, HiCacheStorage):
         from kvcr.drivers.ucx_plane import UcxPlane  # loads libucx: only once a rank pulls
 
         pool = self.writer.pools[POOL]
+        # inline_max 0: a rank reads its slice of each page, and bytes inline would be whole pages
         return Puller(UcxPlane(progress_thread=False), {POOL: pool["namespace"]}, timeout_s=self.cfg.pull_timeout_s,
-                      lease_s=self.cfg.claim_lease_s, page_bytes={POOL: pool["page_bytes"]}, transport="auto")
+                      lease_s=self.cfg.claim_lease_s, page_bytes={POOL: pool["page_bytes"]}, transport="auto",
+                      inline_max=0)
 
     def prefetch_ended(self, keys: list[str], request_id: str | None = None) -> None:
         self.claims.prefetch_ended(keys, request_id)

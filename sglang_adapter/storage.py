@@ -35,6 +35,7 @@ from .config import parse_adapter_config
 from .dp import dp_placement
 from .lookup import ConfirmedLookup
 from .host_pages import HostPages
+from .keeper import Keeper
 from .layout import KeyLayout, LayoutError
 from .runner_setup import POOL, key_layout, runner_config
 from .pagemeta import AnnounceChain, plain_key_events, restorable
@@ -109,7 +110,8 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
                     service.claims.ask_lease(self.cfg.claim_lease_s)
                     self.claims = service.claims
                 self.peering = Peering.join(self.cfg, service)
-                self.host = HostPages(service.runner, service.pulls, self.claims, self.layouts, self.stats)
+                self.host = HostPages(service.runner, service.pulls, self.claims, self.layouts, self.stats,
+                                      Keeper(), anchor=self.mem_pool_host)
                 self.service = service  # last: a lookup that sees the service sees its parts
             return self.service
 
@@ -292,7 +294,14 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
 
     # --- admin -------------------------------------------------------------------------------
 
+    def wait_kept(self) -> None:
+        """Wait until the pages pulled so far are kept in the runner (they are copied there after
+        the read that delivered them returns)."""
+        if self.host is not None:
+            self.host.keeper.fence()
+
     def clear(self) -> None:
+        self.wait_kept()  # no keep commits into a cleared runner
         for name in self.layouts:
             self.runner.clear(name)
 
@@ -307,6 +316,8 @@ class KVCRStorage(ConfirmedLookup, HiCacheStorage):
             self.peering.close()
             self.peering = None
         if self.service is not None:
+            if self.host is not None:
+                self.host.keeper.close()  # what is queued is kept before the runner stops
             if self.claims is not None:
                 self.claims.close()  # kept: its counts stay readable
             self.service.stop()

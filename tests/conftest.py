@@ -37,12 +37,13 @@ def runner_factory(tmp_path):
 
 @pytest.fixture
 def puller():
-    """A puller in this process with the shipped back-off and probes, its own UCX worker."""
+    """A puller in this process with the shipped back-off and probes, its own UCX worker. It asks
+    for no bytes inline, so its tests' small pulls take the claim, GET, release path."""
     from kvcr.drivers.puller import Puller
     from kvcr.drivers.ucx_plane import UcxPlane
 
     plane = UcxPlane()
-    p = Puller(plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5)
+    p = Puller(plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5, inline_max=0)
     yield p
     p.close()
     plane.close()

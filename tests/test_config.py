@@ -57,6 +57,7 @@ def test_side_pools_get_their_own_aligned_slots(tmp_path):
     ("[runner]\nblock_size = 0\n", "runner.block_size = 0 must be >= 1"),
     ("[runner]\ncopy_threads = 65\n", "runner.copy_threads = 65 must be in 0..64"),
     ("[runner]\nreply_spin_us = -1\n", "runner.reply_spin_us = -1 must be in 0..100000"),
+    ("[runner]\ninline_pull_bytes = \"65Mi\"\n", "runner.inline_pull_bytes = 68157440 must be in 0..67108864"),
     ("[runner]\nreach_probe_s = -0.5\n", "runner.reach_probe_s = -0.5 must be in 0..60"),
     ("[dram]\nlow_watermark = 0.9\nhigh_watermark = 0.5\n", "need 0 < low <= high <= 1"),
     ("[dram]\nmax_claim_fraction = 0\n", "dram.max_claim_fraction"),

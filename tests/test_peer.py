@@ -359,7 +359,7 @@ def test_a_release_queued_when_the_source_is_forgotten_still_goes_out(runner_fac
     a, ai = source(runner_factory)
     keys, _, _ = store(ai, 2, seed=24)
     endpoint = ai["endpoints"]["control"]
-    long_lease = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, lease_s=30.0)
+    long_lease = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, lease_s=30.0, inline_max=0)
     try:
         conf = long_lease.confirm(endpoint, "kv", keys)
         gate = threading.Event()
@@ -597,3 +597,74 @@ def test_a_source_killed_after_its_unix_socket_served_us_costs_one_miss_not_a_we
         no_claims_left(bi)
     finally:
         quick.close()
+
+
+# --- small claims answered with their bytes ------------------------------------------------------
+
+@pytest.fixture
+def inline_puller(puller):
+    """The fixture's puller, but asking for the bytes of claims of up to 4 pages in the answer."""
+    from kvcr.drivers.puller import Puller
+
+    p = Puller(puller.plane, timeout_s=2.0, abandon_s=1.0, lease_s=0.5, inline_max=4 * PAGE)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
+def test_a_small_claim_comes_back_with_its_bytes_and_leaves_no_claim_at_the_source(runner_factory, inline_puller,
+                                                                                 digests):
+    a, ai = source(runner_factory, **{"runner.verify_transfer_bytes": digests, "runner.inline_pull_bytes": 4 * PAGE})
+    endpoint = ai["endpoints"]["control"]
+    keys, _, data = store(ai, 6, seed=31)
+    inline_puller.verify_transfer_bytes = digests
+    conf = inline_puller.confirm(endpoint, "kv", keys[:4])
+    assert conf.num_pages == 4 and conf.released
+    assert claims_held(ai) == 0  # ended as it was answered, before a byte was copied here
+    raw, dests = buffers(4)
+    assert inline_puller.deliver(conf, dests).delivered == 4
+    assert raw.raw[:4 * PAGE] == b"".join(data[:4])
+    assert inline_puller.num_digest_mismatches == 0 and inline_puller.num_inline_pages == 4
+    # Over the limit: a claim held at the source, GETs, a release.
+    conf = inline_puller.confirm(endpoint, "kv", keys)
+    assert not conf.released and claims_held(ai) == 1
+    raw, dests = buffers(6)
+    assert inline_puller.deliver(conf, dests).delivered == 6
+    assert raw.raw[:6 * PAGE] == b"".join(data)
+    assert inline_puller.num_inline_pages == 4
+    no_claims_left(ai)
+
+
+def test_a_source_answers_with_bytes_only_up_to_its_own_limit(runner_factory, inline_puller):
+    a, ai = source(runner_factory, **{"runner.inline_pull_bytes": PAGE})
+    keys, _, data = store(ai, 2, seed=32)
+    conf = inline_puller.confirm(ai["endpoints"]["control"], "kv", keys)  # 2 pages: over the source's limit
+    assert not conf.released and claims_held(ai) == 1
+    raw, dests = buffers(2)
+    assert inline_puller.deliver(conf, dests).delivered == 2 and raw.raw[:2 * PAGE] == b"".join(data)
+    no_claims_left(ai)
+
+
+def test_an_uncollected_inline_claim_is_dropped_here_with_nothing_sent(runner_factory, inline_puller):
+    a, ai = source(runner_factory)  # two pages: within its default limit
+    keys, _, _ = store(ai, 2, seed=33)
+    conf = inline_puller.confirm(ai["endpoints"]["control"], "kv", keys)
+    assert conf.released
+    before = control_requests(ai)
+    inline_puller.release(conf)  # the lease ran out, the prefetch ended: the bytes are dropped here
+    assert control_requests(ai) == before  # no release went out: the source ended the claim itself
+    assert claims_held(ai) == 0
+
+
+def control_requests(info) -> float:
+    text = urllib.request.urlopen(info["endpoints"]["http"] + "/metrics", timeout=5).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvcr_control_requests_total "))
+
+
+def test_a_negative_inline_limit_is_refused_by_name(runner_factory, inline_puller):
+    a, ai = source(runner_factory)
+    keys, _, _ = store(ai, 1, seed=34)
+    src = inline_puller.source(ai["endpoints"]["control"])
+    with src.socket() as client, pytest.raises(ControlError, match="inline_max -1 must be >= 0"):
+        client.request(m.ClaimRequest(pool="kv", keys=keys, inline_max=-1))
+    assert claims_held(ai) == 0

@@ -3,7 +3,8 @@
 import pytest
 
 from kvcr.proto import messages as m
-from kvcr.proto.pull import (MISS, BackOff, ClaimAgain, DigestMismatch, Finish, ForgetSource, Pull, PullResult,
+from kvcr.proto.pull import (MISS, BackOff, ClaimAgain, CopyInline, DigestMismatch, Finish, ForgetSource, Pull,
+                             PullResult,
                              PullState, PullStateError, PullTerms, Refuse, SendRelease, SourceTerms, Transfer,
                              choose_transport, late_grant_release, pages_inside)
 
@@ -15,9 +16,12 @@ LEASE = 10.0
 
 
 def grant(offsets=(0, PAGE, 2 * PAGE, 3 * PAGE), *, claim_id=7, lease_s=LEASE, incarnation=INCARNATION,
-          digests=()):
+          digests=(), data=b""):
     return m.Granted(claim_id=claim_id, offsets=list(offsets), lease_s=lease_s, incarnation=incarnation,
-                     digests=list(digests))
+                     digests=list(digests), data=data)
+
+
+INLINE = bytes(range(256)) * (4 * PAGE // 256)  # four pages' bytes, as a source answers a small claim
 
 
 @pytest.fixture
@@ -210,6 +214,7 @@ def test_only_a_namespace_refusal_makes_the_source_unusable(make_pull, code, ref
 def test_a_grant_that_arrives_after_we_gave_up_is_released_at_once():
     assert late_grant_release(grant()) == SendRelease(7, wait=False)
     assert late_grant_release(grant(offsets=())) is None
+    assert late_grant_release(grant(data=INLINE)) is None  # the source ended it as it answered
     assert late_grant_release(m.Released(live=[True])) is None
 
 
@@ -243,3 +248,49 @@ def test_auto_copies_on_the_same_host_and_asks_the_host_only_then(requested, sam
     asked = []
     assert choose_transport(requested, lambda: asked.append(1) or same_host) == chosen
     assert bool(asked) == (requested == "auto")
+
+
+# --- small claims answered with their bytes -------------------------------------------------------
+
+def inline_pull(make_pull, **kw):
+    pull = make_pull(**kw)
+    assert pull.granted(grant(data=INLINE, digests=(11, 12, 13, 14) if kw.get("digests") else ()), 100.01) == []
+    assert pull.state is PullState.HELD and pull.released  # the source ended the claim when it answered
+    return pull
+
+
+def test_a_grant_with_the_bytes_inline_plans_a_copy_out_of_them_and_releases_nothing(make_pull):
+    pull = inline_pull(make_pull)
+    dests = [(0x10000 + i * PAGE // 2, 0x90000 + i * PAGE // 2) for i in range(4)]  # K and V halves
+    [copy] = pull.plan(dests, (PAGE // 2, PAGE // 2))
+    assert isinstance(copy, CopyInline) and copy.data is INLINE
+    assert [(op.local, op.nbytes, op.remote_offset) for op in copy.ops][:2] == \
+        [(0x10000, PAGE // 2, 0), (0x90000, PAGE // 2, PAGE // 2)]
+    # Copied long after the lease: the bytes were read under the claim, so every page counts.
+    assert pull.moved((True,) * len(copy.ops), 500.0) == [Finish(PullResult(4))]
+    assert pull.cancel() == []
+
+
+def test_inline_bytes_are_checked_against_the_sources_digests(make_pull):
+    pull = inline_pull(make_pull, digests=True)
+    [copy] = pull.plan(destinations(), (PAGE,))
+    assert copy.digests
+    assert pull.moved((True,) * len(copy.ops), 100.5, digests=(11, 12, 99, 14)) == \
+        [DigestMismatch(2), Finish(PullResult(2))]
+
+
+@pytest.mark.parametrize("data, problem", [
+    (INLINE[:-1], "inline bytes are not 4 pages"),
+    (INLINE + b"x", "inline bytes are not 4 pages"),
+])
+def test_inline_bytes_that_are_not_the_granted_pages_are_refused_with_nothing_to_release(make_pull, data, problem):
+    pull = make_pull()
+    [finish] = pull.granted(grant(data=data), 100.01)
+    assert isinstance(finish, Finish) and finish.result.delivered == 0 and problem in finish.result.error
+    assert pull.state is PullState.DONE
+
+
+def test_a_move_of_inline_bytes_asks_the_source_to_drop_nothing(make_pull):
+    pull = inline_pull(make_pull, can_move=True)
+    [copy] = pull.plan(destinations(), (PAGE,), move=True)
+    assert pull.moved((True,) * len(copy.ops), 100.5) == [Finish(PullResult(4))]

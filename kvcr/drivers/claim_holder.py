@@ -88,10 +88,11 @@ class ClaimHolder:
                 return got
         return got
 
-    def claim(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> HeldClaim | None:
+    def claim(self, endpoint: str, pool: str, page_hexes: Sequence[str], *, move: bool = False) -> HeldClaim | None:
         """Claim the leading pages at the source for a caller that collects them at once (the
-        runner's own pulls): not held here, so `collect` or `give_back` must end it. None: a miss."""
-        conf = self.puller.confirm(endpoint, pool, page_hexes)
+        runner's own pulls): not held here, so `collect` or `give_back` must end it. None: a miss.
+        `move`: the caller will ask the source to drop what it receives (no bytes inline)."""
+        conf = self.puller.confirm(endpoint, pool, page_hexes, inline=not move)
         return None if conf is None else HeldClaim(conf, list(page_hexes[:conf.num_pages]))
 
     def collect(self, claim: HeldClaim, destinations: Sequence[int] | Sequence[Sequence[int]], *,

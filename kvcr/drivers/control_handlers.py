@@ -127,10 +127,14 @@ class ControlHandlers:
 
     def _on_claim(self, msg: m.ClaimRequest, owner: str) -> m.Message:
         _check_lease(msg.lease_s)
+        if msg.inline_max < 0:
+            raise m.ProtocolError(f"claim.inline_max {msg.inline_max} must be >= 0 (0: no bytes inline)")
         self._check_namespace(msg.pool, msg.namespace)
         registered = self.plane.registered if self.plane is not None else None
+        # Bytes inline only from a runner that serves GETs: one without a data plane hands out none.
+        inline_max = min(msg.inline_max, self.runner.cfg.runner.inline_pull_bytes) if self.plane is not None else 0
         grant = self.runner.grant(msg.pool, self._keys(msg.pool, msg.keys), owner=owner, lease_s=msg.lease_s or None,
-                                  digests=msg.digests, registered=registered)
+                                  digests=msg.digests, registered=registered, inline_max=inline_max)
         return grant.reply
 
     def _check_namespace(self, pool: str, theirs: dict) -> None:

@@ -22,11 +22,11 @@ import xxhash
 import zmq
 
 from ..client import ControlClient, ControlError
-from ..config import CurveKeys
+from ..config import DEFAULT_INLINE_PULL_BYTES, CurveKeys
 from ..proto import messages as m
 from ..proto.announce import Announce
-from ..proto.pull import (Action, BackOff, ClaimAgain, DigestMismatch, Finish, ForgetSource, PeerError, Pull,
-                          PullResult, PullState, PullTerms, Refuse, SendRelease, Transfer, choose_transport,
+from ..proto.pull import (Action, BackOff, ClaimAgain, CopyInline, DigestMismatch, Finish, ForgetSource, PeerError,
+                          Pull, PullResult, PullState, PullTerms, Refuse, SendRelease, Transfer, choose_transport,
                           late_grant_release)
 from ..proto.reach import Reachability
 from .memcopy import Copier
@@ -101,7 +101,11 @@ class Puller:
     # A claim's reply is first waited for without sleeping this long (0: sleep at once): a sleeping
     # thread's wake-up added 27-29 % to a claim and release on a 2-core VM (docs/peer.md).
     reply_spin_s: float = 500e-6
+    # A claim of at most this many bytes asks for them in the answer (sources we do not copy from
+    # on this host): one round trip instead of a claim, GETs and a release. 0: never.
+    inline_max: int = DEFAULT_INLINE_PULL_BYTES
     num_digest_mismatches: int = 0
+    num_inline_pages: int = 0  # delivered out of a claim's answer
     num_refused_untrusted: int = 0
     _sources: dict[str, PeerSource] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -201,9 +205,12 @@ class Puller:
 
     # --- the pull ---------------------------------------------------------------------------------
 
-    def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str]) -> Confirmation | None:
+    def confirm(self, endpoint: str, pool: str, page_hexes: Sequence[str], *,
+                inline: bool = True) -> Confirmation | None:
         """Claim the leading pages at the source. None when it has none, is busy or cannot be
-        reached (a miss); PeerError when it must not be used (untrusted, another namespace)."""
+        reached (a miss); PeerError when it must not be used (untrusted, another namespace).
+        `inline`: a small claim may take its bytes in the answer (not for a move, whose release
+        tells the source what to drop)."""
         with self._reach_lock:
             allowed = self.reach.allow(endpoint, time.monotonic())
         if not allowed:
@@ -219,10 +226,11 @@ class Puller:
             pull = Pull(terms, src.terms, sent=time.monotonic())
             reply = None
             try:
+                inline_max = self.inline_max if inline and self._transport_for(src) != "shm" else 0
                 with src.socket() as client:
                     reply = client.request(m.ClaimRequest(pool=pool, keys=list(page_hexes), lease_s=self.lease_s,
                                                           namespace=self.namespaces.get(pool, {}),
-                                                          digests=self.verify_transfer_bytes))
+                                                          digests=self.verify_transfer_bytes, inline_max=inline_max))
             except ControlError as exc:
                 self._answered(endpoint)
                 actions = pull.claim_refused(exc.code, str(exc))
@@ -266,6 +274,8 @@ class Puller:
         pieces = [(d,) for d in destinations[:n]] if segments is None else list(destinations[:n])
         sizes = (conf.page_bytes,) if segments is None else tuple(segments)
         actions = pull.plan(pieces, sizes, slice_offset=slice_offset, move=move)
+        if isinstance(actions[-1], CopyInline):
+            return self._copy_inline(src, pull, actions[-1], pieces, sizes)
         if not isinstance(actions[-1], Transfer):
             return self._perform(src, pull, actions)
         transfer = actions[-1]
@@ -279,6 +289,19 @@ class Puller:
         digests = _page_digests(pieces, sizes) if transfer.digests else ()
         return self._perform(src, pull, pull.moved(result.done, finished, error=result.error,
                                                    uncertain=result.uncertain, digests=digests))
+
+    def _copy_inline(self, src: PeerSource, pull: Pull, copy: CopyInline, pieces, sizes) -> PullResult:
+        """Copy pages that came with the grant out of its bytes (held alive by `copy`)."""
+        base = ctypes.cast(ctypes.c_char_p(copy.data), ctypes.c_void_p).value
+        try:
+            self._copier.copy([(op.local, op.nbytes, base + op.remote_offset) for op in copy.ops])
+        except Exception as exc:  # as a failed transfer: nothing of it is delivered
+            return self._perform(src, pull, pull.move_failed(f"{type(exc).__name__}: {exc}"))
+        digests = _page_digests(pieces, sizes) if copy.digests else ()
+        result = self._perform(src, pull, pull.moved((True,) * len(copy.ops), time.monotonic(), digests=digests))
+        with self._lock:
+            self.num_inline_pages += result.delivered
+        return result
 
     def release(self, conf: Confirmation, *, wait: bool = True) -> tuple[bool, ...]:
         """Give an unused claim back (idempotent). Returns per page whether the source slot stayed

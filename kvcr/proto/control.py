@@ -12,6 +12,11 @@ from typing import Container
 from . import messages as m
 
 
+# A claim answered with its bytes is copied where it is answered: up to this much on the control
+# thread (tens of microseconds), more on a serving thread.
+INLINE_ON_LOOP_BYTES = 1 << 20
+
+
 class Lane(enum.Enum):
     INLINE = "inline"    # answered on the control thread: metadata only
     SLOW = "slow"        # waits on peers or the disk (our own pulls, persist)
@@ -23,7 +28,8 @@ def lane_for(msg: m.Message, disk_pools: Container[str]) -> Lane:
         return Lane.SLOW
     if isinstance(msg, m.SendPages):
         return Lane.SERVING
-    if isinstance(msg, m.ClaimRequest) and (msg.digests or msg.pool in disk_pools):
+    if isinstance(msg, m.ClaimRequest) and (msg.digests or msg.pool in disk_pools
+                                            or msg.inline_max > INLINE_ON_LOOP_BYTES):
         return Lane.SERVING  # digests read every page; an NVMe page is staged into DRAM first
     return Lane.INLINE
 

@@ -13,8 +13,9 @@ from typing import Any, Callable, ClassVar, get_args, get_origin, get_type_hints
 import msgpack
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2  # 2: a release may ask for no answer (`quiet`)
-CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "ucx_tag", "tiers", "move", "posted_hints", "shards")
+PROTOCOL_MINOR = 3  # 2: a release may ask for no answer (`quiet`); 3: a claim may take its bytes inline
+CAPABILITIES = ("snapshot", "claims", "fills", "ucx_get", "ucx_tag", "tiers", "move", "posted_hints", "shards",
+                "inline_pages")
 
 
 class ProtocolError(ValueError):
@@ -248,6 +249,9 @@ class ClaimRequest(Message):
     lease_s: float = 0.0
     namespace: dict = field(default_factory=dict)
     digests: bool = False  # also send an xxh3-64 digest per page, to check the bytes after the GETs
+    # Minor 3: when the granted pages come to at most this many bytes, answer with the bytes and end
+    # the claim at once (one round trip, no GETs). 0: never; a minor-2 source ignores it and grants.
+    inline_max: int = 0
 
 
 @_msg
@@ -262,6 +266,9 @@ class Granted(Message):
     lease_s: float = 0.0
     announces: list = field(default_factory=list)
     digests: list[int] = field(default_factory=list)
+    # The granted pages back to back, when the claim asked for them inline: the claim has then
+    # already ended at the source (nothing to GET, nothing to release).
+    data: bytes = b""
 
 
 @_msg
@@ -327,9 +334,10 @@ def encode(msg: Message, *, request_id: int | None = None, incarnation: str | No
 _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
            str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool),
-           list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict)}
+           list: lambda v: isinstance(v, list), dict: lambda v: isinstance(v, dict),
+           bytes: lambda v: isinstance(v, bytes)}
 # The exact types a list of each scalar may hold: one set() over a long list instead of a call per item.
-_ITEM_TYPES = {int: frozenset({int}), float: frozenset({int, float}), str: frozenset({str}),
+_ITEM_TYPES = {int: frozenset({int}), float: frozenset({int, float}), str: frozenset({str}), bytes: frozenset({bytes}),
                bool: frozenset({bool}), list: frozenset({list}), dict: frozenset({dict})}
 
 

@@ -197,6 +197,15 @@ class Transfer:
 
 
 @dataclass(frozen=True, slots=True)
+class CopyInline:
+    """The pages came with the grant: copy them out of `data` (ops' remote offsets index it)."""
+
+    ops: tuple[GetOp, ...]
+    data: bytes
+    digests: bool  # hand back a digest of every destination page afterwards
+
+
+@dataclass(frozen=True, slots=True)
 class ForgetSource:
     """The transfer failed: the next pull reconnects (a fresh endpoint, a fresh view)."""
 
@@ -213,7 +222,7 @@ class Finish:
     result: PullResult
 
 
-Action = Union[SendRelease, ClaimAgain, BackOff, Refuse, Transfer, ForgetSource, DigestMismatch, Finish]
+Action = Union[SendRelease, ClaimAgain, BackOff, Refuse, Transfer, CopyInline, ForgetSource, DigestMismatch, Finish]
 
 MISS = Finish(PullResult(0))
 
@@ -249,7 +258,13 @@ def check_grant(reply: m.Granted, terms: PullTerms, source: SourceTerms) -> str:
         return "digests were asked for but not given for every page"
     if not 0 < reply.lease_s <= MAX_LEASE_S:
         return f"lease {reply.lease_s!r} is not a duration"
-    if theirs is None or not pages_inside(reply.offsets, theirs, source.chunks):
+    if theirs is None:
+        return OUTSIDE_REGISTERED  # a pool its info did not list: look again
+    if reply.data:
+        if len(reply.data) != len(reply.offsets) * theirs:
+            return f"{len(reply.data)} inline bytes are not {len(reply.offsets)} pages of {theirs}"
+        return ""  # read at the source under the claim: nothing of its region is addressed
+    if not pages_inside(reply.offsets, theirs, source.chunks):
         return OUTSIDE_REGISTERED
     return ""
 
@@ -257,7 +272,7 @@ def check_grant(reply: m.Granted, terms: PullTerms, source: SourceTerms) -> str:
 def late_grant_release(reply: m.Message) -> SendRelease | None:
     """A claim granted after we stopped waiting: nobody will read those pages, so it goes back now
     rather than at its lease end."""
-    if isinstance(reply, m.Granted) and reply.offsets:
+    if isinstance(reply, m.Granted) and reply.offsets and not reply.data:  # with its bytes it ended already
         return SendRelease(reply.claim_id, wait=False)
     return None
 
@@ -281,6 +296,7 @@ class Pull:
     claim_id: int = 0
     offsets: tuple[int, ...] = ()
     digests: tuple[int, ...] = ()
+    data: bytes = b""  # the pages' bytes, when the grant carried them (the claim ended at the source)
     deadline: float = 0.0  # the lease cannot have ended before this
     released: bool = False
     _ops: tuple[GetOp, ...] = ()
@@ -319,6 +335,9 @@ class Pull:
     def granted(self, reply: m.Granted, now: float) -> list[Action]:
         self._enter("granted")
         self.claim_id, self.offsets = reply.claim_id, tuple(reply.offsets)
+        # With the bytes inline the source read the pages under the claim and ended it: whatever
+        # we make of the answer, there is nothing to give back.
+        self.released = bool(reply.data)
         if reply.incarnation != self.source.incarnation:
             return self._stale("the source restarted: its region and keys are new")
         if not reply.offsets:
@@ -332,6 +351,7 @@ class Pull:
         self.digests = tuple(reply.digests)
         self.deadline = self.sent + reply.lease_s
         self.state = PullState.HELD
+        self.data = reply.data
         return []
 
     def _stale(self, reason: str) -> list[Action]:
@@ -369,7 +389,14 @@ class Pull:
             reason = (f"pieces of {sum(segment_bytes)} bytes from byte {slice_offset} do not fit a page of "
                       f"{self.page_bytes} (or a slice was asked with digests or move)")
             return [*self._end_claim(), Refuse(reason)]
-        self._pages, self._move = n, move and self.source.can_move
+        # Inline bytes: the claim is over, so a move cannot ask the source to drop anything.
+        self._pages, self._move = n, move and self.source.can_move and not self.data
+        if self.data:
+            size = self.page_bytes
+            self._ops = tuple(plan_segment_gets(destinations[:n], [i * size + slice_offset for i in range(n)],
+                                                segment_bytes, chunks=((0, len(self.data)),)))
+            self.state = PullState.MOVING
+            return [CopyInline(self._ops, self.data, bool(self.digests))]
         self._ops = tuple(plan_segment_gets(destinations[:n], [o + slice_offset for o in self.offsets[:n]],
                                             segment_bytes, chunks=self.source.chunks))
         self.state = PullState.MOVING
@@ -391,7 +418,8 @@ class Pull:
         # The source cannot reuse a claimed slot before the lease ends, and our deadline was taken
         # before the source started the lease. A transfer that ended well inside it read the claimed
         # bytes, so the release need not be waited for; a late end asks the source (generations).
-        self._in_lease = now < self.deadline - LEASE_MARGIN * (self.deadline - self.sent)
+        # Inline bytes were read under the claim, at the source: they are the claimed bytes whenever copied.
+        self._in_lease = bool(self.data) or now < self.deadline - LEASE_MARGIN * (self.deadline - self.sent)
         drop = self._arrived if self._move and not uncertain else 0
         wait = bool(drop) or not self._in_lease  # a move changes the source: know its answer
         release = self._release(drop=drop, wait=wait)

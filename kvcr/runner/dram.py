@@ -9,6 +9,7 @@ layer: shard assembly and the NVMe tier are joined to it by the store (store.py)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -255,23 +256,38 @@ class Runner:
             return claim
 
     def grant(self, pool: str, keys: Sequence[StorageKey], *, owner: str, lease_s: float | None = None,
-              digests: bool = False, registered: Callable[[Sequence[int], int], bool] | None = None) -> Grant:
+              digests: bool = False, registered: Callable[[Sequence[int], int], bool] | None = None,
+              inline_max: int = 0) -> Grant:
         """A peer's claim: the leading present pages pinned, with their region offsets (and commit
         digests when asked). Pages not yet registered for peers' GETs (`registered`) refuse the
-        whole claim as Busy, a miss the peer retries; a claim that cannot be answered is released."""
+        whole claim as Busy, a miss the peer retries; a claim that cannot be answered is released.
+        Pages that come to at most `inline_max` bytes are answered with their bytes instead, read
+        under the claim, which then ends here (the peer has nothing left to read)."""
         claim = self.claim(pool, keys, owner=owner, lease_s=lease_s)
+        ended = False
         try:
             if len(claim.pages) < len(keys):
                 self._count_unheld(pool, keys[len(claim.pages):])
             offsets = [self.offset(pool, p.slot) for p in claim.pages]
-            if registered is not None and not registered(offsets, self.layouts[pool].page_bytes):
+            page_bytes = self.layouts[pool].page_bytes
+            inline = bool(claim.pages) and len(claim.pages) * page_bytes <= inline_max
+            if not inline and registered is not None and not registered(offsets, page_bytes):
                 raise Busy("these pages are not registered for peers yet; retry shortly")
             sums = [self.page_digest(pool, p) for p in claim.pages] if digests else []
-            return Grant(claim, self.source.granted(claim, offsets, sums))
+            reply = self.source.granted(claim, offsets, sums)
+            if inline:
+                reply = dataclasses.replace(reply, data=self._copy_out(pool, claim.pages))
+                ended = True
+                self.release(claim.claim_id, owner=owner)
+            return Grant(claim, reply)
         except BaseException:
-            if claim.pages:  # no answer, no claim
+            if claim.pages and not ended:  # no answer, no claim
                 self.release(claim.claim_id, owner=owner)
             raise
+
+    def _copy_out(self, pool: str, pages: Sequence[Page]) -> bytes:
+        """The pages' bytes back to back (they are claimed: nothing rewrites them meanwhile)."""
+        return b"".join(self.slot_view(pool, page) for page in pages)
 
     def _count_unheld(self, pool: str, keys: Sequence[StorageKey]) -> None:
         """A peer asked for pages past what we could claim: ones we let go (an eviction race) are

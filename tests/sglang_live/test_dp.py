@@ -50,7 +50,9 @@ def test_a_ranks_pages_serve_the_other_rank_and_another_worker_as_a_cold_computa
         assert pulled["meta_info"]["cached_tokens_details"]["storage"] == full * PAGE, (server.name, rank)
         assert pulled["output_ids"] == cold["output_ids"]
         assert live.logprobs(pulled) == live.logprobs(cold)
-        assert len(live.rank_stored(server, rank)) >= full  # the pulled pages are the rank's own now
+        # the pulled pages are the rank's own now (kept just after the read that delivered them)
+        wait_until(lambda: len(live.rank_stored(server, rank)) >= full, timeout_s=10,
+                   message=f"{server.name} rank {rank} kept the pulled pages")
     assert not live.rank_stored(b, 0) & live.rank_stored(a, 0)  # B's rank 0 never saw the prompt
     wait_until(lambda: metric(live.rank_metrics(a, 0), "kvcr_claims_held") == 0, timeout_s=10,
                message="A rank 0's claims back")

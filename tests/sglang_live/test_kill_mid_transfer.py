@@ -67,7 +67,9 @@ def shaped_bytes() -> int:
 @pytest.fixture(scope="module")
 def pair(engines):
     (a,) = engines("kill-A", args=WAIT, env=ucx_env("A"))
-    (b,) = engines("kill-B", args=WAIT, env=ucx_env("B"), runner={"runner.transfer": "get"})
+    # GETs, not the bytes in the claim's answer (the tiny model's pulls are small enough): the kill lands mid-GET
+    (b,) = engines("kill-B", args=WAIT, env=ucx_env("B"),
+                   runner={"runner.transfer": "get", "runner.inline_pull_bytes": 0})
     return a, b
 
 

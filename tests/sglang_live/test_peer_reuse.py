@@ -1,6 +1,7 @@
 """Live test 2: engine B, given a `kv_hints` envelope naming engine A's pages, confirms and claims
-them at A, pulls them (UCX GETs, or the same-host copy) into its host pages, reports exactly the
-confirmed pages as cached, answers as A did, and keeps the pages in its own runner."""
+them at A, pulls them (UCX GETs, the bytes in the claim's answer, or the same-host copy) into its
+host pages, reports exactly the confirmed pages as cached, answers as A did, and keeps the pages in
+its own runner."""
 
 from __future__ import annotations
 
@@ -20,12 +21,18 @@ WAIT = ["--hicache-storage-prefetch-policy", "wait_complete"]
 
 @pytest.fixture(scope="module")
 def trio(engines):
-    a, b_get, b_shm = engines("peer-A", "peer-B-get", "peer-B-shm", args=WAIT,
-                              each={"peer-B-get": {"runner.transfer": "get"}, "peer-B-shm": {"runner.transfer": "shm"}})
-    return a, {"get": b_get, "shm": b_shm}
+    # "get" claims, GETs and releases; "inline" takes the bytes in the claim's answer (its limit
+    # raised over the tiny model's prompt, which is a few hundred KiB); "shm" copies from A's pool.
+    a, b_get, b_inline, b_shm = engines(
+        "peer-A", "peer-B-get", "peer-B-inline", "peer-B-shm", args=WAIT,
+        each={"peer-A": {"runner.inline_pull_bytes": "16Mi"},  # what it answers inline (B-get asks for none)
+              "peer-B-get": {"runner.transfer": "get", "runner.inline_pull_bytes": 0},
+              "peer-B-inline": {"runner.transfer": "get", "runner.inline_pull_bytes": "16Mi"},
+              "peer-B-shm": {"runner.transfer": "shm"}})
+    return a, {"get": b_get, "inline": b_inline, "shm": b_shm}
 
 
-@pytest.mark.parametrize("transfer", ["get", "shm"])
+@pytest.mark.parametrize("transfer", ["get", "inline", "shm"])
 def test_a_hinted_engine_pulls_the_peers_pages_and_answers_as_the_peer(trio, transfer, live):
     a, bs = trio
     b = bs[transfer]
@@ -43,9 +50,12 @@ def test_a_hinted_engine_pulls_the_peers_pages_and_answers_as_the_peer(trio, tra
                message="A's claims released")
     b_metrics = b.runner_get("/metrics")
     assert metric(b_metrics, "kvcr_pulled_pages_total") >= full
-    # B keeps what it pulled, announced whole from the root: no hint needed next time
+    inline = metric(b_metrics, "kvcr_pulled_inline_pages_total")
+    assert inline >= full if transfer == "inline" else inline == 0
+    # B keeps what it pulled (just after the read), announced whole from the root: no hint needed next time
+    wait_until(lambda: set(a.stored_hashes()) <= set(b.stored_hashes()), timeout_s=10,
+               message="B kept the pulled pages")
     b_chain = b.stored()
-    assert set(a.stored_hashes()) <= set(b.stored_hashes())
     roots = [e for e in b_chain if e.parent_block_hash is None]
     assert roots and roots[0].block_hashes[0] == a.stored_hashes()[0]
     live.flush(b)
