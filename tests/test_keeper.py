@@ -107,8 +107,8 @@ def die():
     raise SystemExit  # not an Exception: it ends the keeper's thread
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_keeper_whose_thread_died_holds_no_free_back():
+def test_a_keeper_whose_thread_died_holds_no_free_back(monkeypatch):
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's death is the point
     keeper, pool = Keeper(), Pool()
     keeper.guard(pool)
     keeper.submit(die, reads=(pool, torch.arange(4)))
@@ -117,3 +117,4 @@ def test_a_keeper_whose_thread_died_holds_no_free_back():
     assert pool.calls == [("free", [1])]
     with pytest.raises(RuntimeError, match="closed"):
         keeper.submit(lambda: None)
+    keeper.close()  # joins the dead thread while its exception hook is still ours
