@@ -54,8 +54,8 @@ def main() -> int:
         return (f"{Spread.of([t * 1e3 for t in runs[key]]).fmt()} ms "
                 f"({Spread.of([total / t / 1e9 for t in runs[key]]).fmt()} GB/s)")
 
-    def ratio(runs: dict[str, list[float]], theirs: str, ours: str = "kvcr") -> str:
-        return f"{Spread.of([t / o for o, t in zip(runs[ours], runs[theirs])]).fmt(1, 2)}x"
+    def ratio(runs: dict[str, list[float]], theirs: str) -> str:
+        return f"{Spread.of([t / o for o, t in zip(runs['kvcr'], runs[theirs])]).fmt(1, 2)}x"
 
     rows, chart = [], {}
     for pages, page_bytes in SIZES:

@@ -10,8 +10,6 @@ import logging
 import math
 import time
 
-import torch
-
 from kvcr.drivers.claim_holder import ClaimHolder
 from kvcr.peer_pulls import PeerPulls
 from kvcr.proto.announce import Announce
@@ -76,13 +74,12 @@ class HostPages:
                 self._keep(keys[first:first + count], segments[first:first + count], conf)
             return delivered
         self.keeper.guard(host_pool)
-        slots = torch.as_tensor(host_indices).to("cpu", torch.int64).flatten()
-        per_key = len(slots) // len(keys)
+        per_key = len(host_indices) // len(keys)
         # Queued once every claim is in: a keep running beside a later claim's copy would slow it.
         for first, count, conf in arrived:
             job = functools.partial(self._keep, keys[first:first + count], segments[first:first + count], conf)
             try:
-                self.keeper.submit(job, (host_pool, slots[first * per_key:(first + count) * per_key]))
+                self.keeper.submit(job, (host_pool, host_indices[first * per_key:(first + count) * per_key]))
             except RuntimeError as exc:  # the backend is closing: delivered to SGLang, not kept here
                 log.info("kvcr: %d pulled pages not kept: %s", count, exc)
         return delivered

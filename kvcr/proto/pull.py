@@ -391,15 +391,14 @@ class Pull:
             return [*self._end_claim(), Refuse(reason)]
         # Inline bytes: the claim is over, so a move cannot ask the source to drop anything.
         self._pages, self._move = n, move and self.source.can_move and not self.data
-        if self.data:
-            size = self.page_bytes
-            self._ops = tuple(plan_segment_gets(destinations[:n], [i * size + slice_offset for i in range(n)],
-                                                segment_bytes, chunks=((0, len(self.data)),)))
-            self.state = PullState.MOVING
-            return [CopyInline(self._ops, self.data, bool(self.digests))]
-        self._ops = tuple(plan_segment_gets(destinations[:n], [o + slice_offset for o in self.offsets[:n]],
-                                            segment_bytes, chunks=self.source.chunks))
+        # Pieces come from the answer's bytes (page i at i * page_bytes) or from the source's region.
+        starts, chunks = ([i * self.page_bytes for i in range(n)], ((0, len(self.data)),)) if self.data else \
+            (self.offsets[:n], self.source.chunks)
+        self._ops = tuple(plan_segment_gets(destinations[:n], [o + slice_offset for o in starts], segment_bytes,
+                                            chunks=chunks))
         self.state = PullState.MOVING
+        if self.data:
+            return [CopyInline(self._ops, self.data, bool(self.digests))]
         return [Transfer(self._ops, bool(self.digests))]
 
     def moved(self, done: Sequence[bool], now: float, *, error: str = "", uncertain: bool = False,
