@@ -28,6 +28,7 @@ CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disabl
 # above 22000-29999, where SGLang draws the ports its own children bind later (nccl_port): one
 # such draw took a runner's control port in a full run. Never the same port twice per process.
 PORTS = range(30000, 32700)
+EPHEMERAL_LOW = 32768
 _rng = random.Random()
 _given: set[int] = set()
 
@@ -42,6 +43,25 @@ def free_port(span: int = 1) -> int:
         _given.update(ports)
         return port
     raise RuntimeError(f"no {span} free port(s) in a row in {PORTS}")
+
+
+# Under DP attention SGLang 0.5.23 binds the server port + 233 and the 7 after it (its ZMQ_TCP_PORT_DELTA
+# and derived ports): a runner port drawn into that window took the engine down in a full run.
+DP_DERIVED_PORTS = range(233, 241)
+
+
+def server_port(dp_size: int) -> int:
+    """A free port for an engine's HTTP server; with DP, one whose derived window is free and kept
+    from later draws too."""
+    for _ in range(200):
+        port = free_port()
+        derived = [port + d for d in DP_DERIVED_PORTS] if dp_size > 1 else []
+        if (any(p in _given or p >= EPHEMERAL_LOW for p in derived)  # the OS hands those out meanwhile
+                or not all(_bindable(p) for p in derived)):
+            continue
+        _given.update(derived)
+        return port
+    raise RuntimeError(f"no server port in {PORTS} with its DP ports {DP_DERIVED_PORTS} free")
 
 
 def _bindable(port: int) -> bool:
@@ -78,13 +98,13 @@ class LiveServer:
         """`python`: the interpreter the engine runs under (another SGLang release's environment)."""
         self.name, self.run_dir, self.model = name, run_dir, model
         self.python = python
-        self.port = free_port()
+        self.args = list(args or [])
+        self.dp_size = int(self.args[self.args.index("--dp-size") + 1]) if "--dp-size" in self.args else 1
+        self.port = server_port(self.dp_size)
         # SGLang would draw its torch.dist port at random, unchecked against the other engines a test
         # starts at once (one draw collided in a full run): this process hands it out, once.
         self.nccl_port = free_port()
         self.log_path = run_dir / f"{name}.log"
-        self.args = list(args or [])
-        self.dp_size = int(self.args[self.args.index("--dp-size") + 1]) if "--dp-size" in self.args else 1
         # fixed ports, so a restarted engine's runner is the same peer to everyone (a DP engine's
         # ranks at these + rank)
         self.endpoints = {k: f"tcp://127.0.0.1:{free_port(self.dp_size)}" for k in ("control", "events", "replay")}
